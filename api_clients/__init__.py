@@ -1,0 +1,62 @@
+"""The Python client of the HA stream table cluster.
+
+    from api_clients import connect, Publisher
+    session = connect("127.0.0.1", 8901, highAvailabilitySites=["127.0.0.1:8902", "127.0.0.1:8903"])
+    Publisher(session, "ticks").append(frame)
+    session.subscribe("ticks", handler, offset=-2, actionName="spark")
+
+Errors are the server's own classes from `raftstore.errors`, re-exported here.
+"""
+
+from api_clients.admin import TableInfo
+from api_clients.connection import Session, connect, parse_site
+from api_clients.publisher import AppendResult, Publisher
+from api_clients.retry import Backoff
+from api_clients.subscriber import Subscription
+from raftstore import errors
+from raftstore.errors import (
+    BatchTooLarge,
+    EmptyBatch,
+    InvalidArgument,
+    LeadershipLost,
+    NodeUnavailable,
+    NotLeader,
+    OffsetOutOfRange,
+    Overloaded,
+    ProposalTimeout,
+    RaftStoreError,
+    SchemaMismatch,
+    TableExists,
+    TableNotFound,
+    TableSubscribed,
+    TopicNotFound,
+    UnknownGroup,
+)
+
+__all__ = [
+    "AppendResult",
+    "Backoff",
+    "BatchTooLarge",
+    "EmptyBatch",
+    "InvalidArgument",
+    "LeadershipLost",
+    "NodeUnavailable",
+    "NotLeader",
+    "OffsetOutOfRange",
+    "Overloaded",
+    "ProposalTimeout",
+    "Publisher",
+    "RaftStoreError",
+    "SchemaMismatch",
+    "Session",
+    "Subscription",
+    "TableExists",
+    "TableInfo",
+    "TableNotFound",
+    "TableSubscribed",
+    "TopicNotFound",
+    "UnknownGroup",
+    "connect",
+    "errors",
+    "parse_site",
+]

@@ -1,0 +1,117 @@
+"""Value types of the admin calls and their conversion from/to the wire messages.
+
+No I/O here: `connection.Session` makes the calls and uses these to build requests and
+read responses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from proto import hastream_pb2
+from raftstore.errors import InvalidArgument
+
+RETENTION_MINUTES_DEFAULT = 1440
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TableInfo:
+    """A stream table as the cluster describes it. Offsets: `earliest_offset` is the earliest
+    row still retained, `row_count` the offset the next appended row will get."""
+
+    table: str
+    raft_group: int  # >= 2 for an HA table; 0 for a non-HA table on one node.
+    schema: pa.Schema
+    cache_limit: int
+    key_column: str | None
+    retention_minutes: int
+    row_count: int
+    earliest_offset: int
+
+
+def schema_to_ipc(schema: pa.Schema) -> bytes:
+    return bytes(schema.serialize().to_pybytes())
+
+
+def schema_from_ipc(schema_ipc: bytes) -> pa.Schema:
+    try:
+        return pa.ipc.read_schema(pa.py_buffer(schema_ipc))
+    except (pa.ArrowInvalid, OSError) as error:
+        raise InvalidArgument("schema_ipc", f"not an Arrow IPC schema: {error}") from error
+
+
+def create_table_request(
+    *,
+    raft_group: int,
+    schema: pa.Schema,
+    table: str,
+    cache_limit: int,
+    key_column: str | None,
+    retention_minutes: int,
+) -> hastream_pb2.CreateTableRequest:
+    """Checks the arguments a server would refuse anyway, so the mistake is named locally."""
+    if not isinstance(schema, pa.Schema):
+        raise InvalidArgument("schema", f"need a pyarrow.Schema, got {type(schema).__name__}")
+    if key_column is not None and key_column not in schema.names:
+        raise InvalidArgument("keyColumn", f"{key_column!r} is not a column of {schema.names}")
+    if cache_limit <= 0:
+        raise InvalidArgument("cacheLimit", f"must be > 0, got {cache_limit}")
+    if retention_minutes <= 0:
+        raise InvalidArgument("retentionMinutes", f"must be > 0, got {retention_minutes}")
+    return hastream_pb2.CreateTableRequest(
+        raft_group=raft_group,
+        table=table,
+        schema_ipc=schema_to_ipc(schema),
+        cache_limit=cache_limit,
+        key_column=key_column or "",
+        retention_minutes=retention_minutes,
+    )
+
+
+def table_info_from_proto(message: hastream_pb2.TableInfo) -> TableInfo:
+    return TableInfo(
+        table=message.table,
+        raft_group=message.raft_group,
+        schema=schema_from_ipc(message.schema_ipc),
+        cache_limit=message.cache_limit,
+        key_column=message.key_column or None,
+        retention_minutes=message.retention_minutes or RETENTION_MINUTES_DEFAULT,
+        row_count=message.row_count,
+        earliest_offset=message.earliest_offset,
+    )
+
+
+def raft_groups_from_proto(message: hastream_pb2.RaftGroups) -> list[dict[str, Any]]:
+    """One dict per group: `id` and `sites` as DolphinDB names them, plus the current
+    `leader` (host:port:alias, None while unknown) and the group's `tables`."""
+    return [
+        {
+            "id": group.raft_group,
+            "sites": list(group.sites),
+            "leader": group.leader or None,
+            "tables": list(group.tables),
+        }
+        for group in message.groups
+    ]
+
+
+def json_document(message: hastream_pb2.JsonDocument) -> dict[str, Any]:
+    try:
+        document = json.loads(message.json)
+    except ValueError as error:
+        raise InvalidArgument("json", f"the node answered malformed JSON: {error}") from error
+    if not isinstance(document, dict):
+        raise InvalidArgument("json", f"expected a JSON object, got {type(document).__name__}")
+    return document
+
+
+def topic_table(topic: str) -> str:
+    """The table part of a topic `table/actionName`."""
+    table, separator, action_name = topic.partition("/")
+    if not separator or not table or not action_name:
+        raise InvalidArgument("topic", f"{topic!r} is not 'table/actionName'")
+    return table

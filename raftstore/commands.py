@@ -1,0 +1,307 @@
+"""The commands of a Raft group and their binary encoding: the only bytes in the Raft log.
+
+Every entry is a versioned, explicit encoding (never pickle), so an old log means the same
+thing to a newer node:
+
+    entry        = version:u8 (=1) | kind:u8 | body
+    string       = length:u16 | UTF-8 bytes
+    blob         = length:u32 | bytes
+    int fields   = little-endian, fixed width (i64 unless noted)
+
+    CreateTable  = table:string | schema_ipc:blob | cache_limit:i64 |
+                   has_key:u8 (0|1) | [key_column:string] | retention_minutes:i64
+    DropTable    = table:string | force:u8 (0|1)
+    Append       = timestamp_ms:i64 | item_count:u32 | item * item_count
+      item       = table:string | producer_id_length:u8 (0|16) | producer_id |
+                   sequence:u64 | payload:blob (an Arrow IPC *stream*)
+    CommitOffset = topic:string | offset:i64
+    RemoveOffset = topic:string
+    Noop         = (empty)
+
+The encoding is canonical: `encode(decode(data)) == data` for every `data` that decodes.
+Pure: no I/O; safe on any thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+from raftstore.errors import InvalidArgument
+
+VERSION: Final = 1
+PRODUCER_ID_BYTES: Final = 16
+
+_HEADER: Final = struct.Struct("<BB")
+_U8: Final = struct.Struct("<B")
+_U16: Final = struct.Struct("<H")
+_U32: Final = struct.Struct("<I")
+_I64: Final = struct.Struct("<q")
+_U64: Final = struct.Struct("<Q")
+
+_STRING_BYTES_MAX: Final = 0xFFFF
+_BLOB_BYTES_MAX: Final = 0xFFFF_FFFF
+
+# Bytes of an Append entry besides its items: header, timestamp_ms, item_count.
+APPEND_OVERHEAD_BYTES: Final = _HEADER.size + _I64.size + _U32.size
+
+
+class Kind(enum.IntEnum):
+    """The kind byte. Values are part of the log format: never renumber, only add."""
+
+    CREATE_TABLE = 1
+    DROP_TABLE = 2
+    APPEND = 3
+    COMMIT_OFFSET = 4
+    REMOVE_OFFSET = 5
+    NOOP = 6
+
+
+@dataclass(frozen=True, slots=True)
+class CreateTable:
+    table: str
+    schema_ipc: bytes  # pyarrow `Schema.serialize()` (an IPC stream's schema is accepted too)
+    cache_limit: int
+    key_column: str | None
+    retention_minutes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DropTable:
+    table: str
+    force: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AppendItem:
+    table: str
+    producer_id: bytes  # b"" (no producer dedup) or exactly PRODUCER_ID_BYTES bytes.
+    sequence: int  # 0 <= sequence < 2**64; meaningful only with a producer_id.
+    # Arrow IPC stream bytes. After decode(): a zero-copy slice of the entry's buffer.
+    payload: bytes | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    timestamp_ms: int  # Stamped by the leader before proposing; apply never reads a clock.
+    items: tuple[AppendItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOffset:
+    topic: str
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveOffset:
+    topic: str
+
+
+@dataclass(frozen=True, slots=True)
+class Noop:
+    pass
+
+
+Command = CreateTable | DropTable | Append | CommitOffset | RemoveOffset | Noop
+
+
+# ---------------------------------------------------------------------------------------
+# encode
+
+
+def _invalid(detail: str) -> InvalidArgument:
+    return InvalidArgument("command", detail)
+
+
+def _string(text: str) -> bytes:
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise _invalid(f"string {text!r} is not encodable as UTF-8: {error}") from None
+    if len(data) > _STRING_BYTES_MAX:
+        raise _invalid(f"string of {len(data)} bytes > {_STRING_BYTES_MAX}")
+    return _U16.pack(len(data)) + data
+
+
+def _blob_length(blob: bytes | memoryview) -> bytes:
+    size = memoryview(blob).nbytes
+    if size > _BLOB_BYTES_MAX:
+        raise _invalid(f"blob of {size} bytes > {_BLOB_BYTES_MAX}")
+    return _U32.pack(size)
+
+
+def _pack(packer: struct.Struct, value: int, field: str) -> bytes:
+    try:
+        return packer.pack(value)
+    except struct.error:
+        raise _invalid(f"{field}={value!r} does not fit {packer.format}") from None
+
+
+def _header(kind: Kind) -> bytes:
+    return _HEADER.pack(VERSION, kind)
+
+
+def _encode_item(item: AppendItem, parts: list[bytes | memoryview]) -> None:
+    if len(item.producer_id) not in (0, PRODUCER_ID_BYTES):
+        raise _invalid(f"producer_id of {len(item.producer_id)} bytes; want 0 or 16")
+    parts.append(_string(item.table))
+    parts.append(_U8.pack(len(item.producer_id)))
+    parts.append(item.producer_id)
+    parts.append(_pack(_U64, item.sequence, "sequence"))
+    parts.append(_blob_length(item.payload))
+    parts.append(item.payload)
+
+
+def encoded_item_bytes(item: AppendItem) -> int:
+    """Exact bytes `item` adds to an Append entry (for packing entries up to a size)."""
+    return (
+        len(_string(item.table))
+        + _U8.size
+        + len(item.producer_id)
+        + _U64.size
+        + _U32.size
+        + memoryview(item.payload).nbytes
+    )
+
+
+def encode(command: Command) -> bytes:
+    """The entry bytes of `command`. Raises InvalidArgument("command", ...) for a value the
+    format cannot hold (string > 65535 bytes, int out of range, bad producer_id length).
+    Payloads are copied exactly once (one b"".join)."""
+    match command:
+        case Append(timestamp_ms=timestamp_ms, items=items):
+            parts: list[bytes | memoryview] = [
+                _header(Kind.APPEND),
+                _pack(_I64, timestamp_ms, "timestamp_ms"),
+                _pack(_U32, len(items), "item_count"),
+            ]
+            for item in items:
+                _encode_item(item, parts)
+            return b"".join(parts)
+        case CreateTable():
+            key = (
+                _U8.pack(0)
+                if command.key_column is None
+                else _U8.pack(1) + _string(command.key_column)
+            )
+            return b"".join(
+                (
+                    _header(Kind.CREATE_TABLE),
+                    _string(command.table),
+                    _blob_length(command.schema_ipc),
+                    command.schema_ipc,
+                    _pack(_I64, command.cache_limit, "cache_limit"),
+                    key,
+                    _pack(_I64, command.retention_minutes, "retention_minutes"),
+                )
+            )
+        case DropTable(table=table, force=force):
+            return _header(Kind.DROP_TABLE) + _string(table) + _U8.pack(1 if force else 0)
+        case CommitOffset(topic=topic, offset=offset):
+            return _header(Kind.COMMIT_OFFSET) + _string(topic) + _pack(_I64, offset, "offset")
+        case RemoveOffset(topic=topic):
+            return _header(Kind.REMOVE_OFFSET) + _string(topic)
+        case Noop():
+            return _header(Kind.NOOP)
+    raise AssertionError(f"not a command: {type(command).__name__}")
+
+
+# ---------------------------------------------------------------------------------------
+# decode
+
+
+class _Reader:
+    """A cursor over the entry. Every read checks bounds first, so a short buffer raises
+    InvalidArgument, never struct.error or IndexError."""
+
+    __slots__ = ("_position", "_view")
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._position = 0
+
+    def take(self, size: int) -> memoryview:
+        start = self._position
+        end = start + size
+        if end > len(self._view):
+            raise _invalid(
+                f"truncated at byte {start}: need {size} bytes, have {len(self._view) - start}"
+            )
+        self._position = end
+        return self._view[start:end]
+
+    def integer(self, unpacker: struct.Struct) -> int:
+        value: int = unpacker.unpack(self.take(unpacker.size))[0]
+        return value
+
+    def flag(self, field: str) -> bool:
+        value = self.integer(_U8)
+        if value > 1:
+            raise _invalid(f"{field} flag is {value}; want 0 or 1")
+        return value == 1
+
+    def string(self, field: str) -> str:
+        data = self.take(self.integer(_U16))
+        try:
+            return str(data, "utf-8")
+        except UnicodeDecodeError as error:
+            raise _invalid(f"{field} is not valid UTF-8: {error}") from None
+
+    def blob(self) -> memoryview:
+        return self.take(self.integer(_U32))
+
+    def finish(self) -> None:
+        trailing = len(self._view) - self._position
+        if trailing:
+            raise _invalid(f"{trailing} trailing bytes after the command")
+
+
+def _decode_item(reader: _Reader) -> AppendItem:
+    table = reader.string("table")
+    producer_id_bytes = reader.integer(_U8)
+    if producer_id_bytes not in (0, PRODUCER_ID_BYTES):
+        raise _invalid(f"producer_id of {producer_id_bytes} bytes; want 0 or 16")
+    producer_id = bytes(reader.take(producer_id_bytes))
+    sequence = reader.integer(_U64)
+    return AppendItem(table, producer_id, sequence, reader.blob())
+
+
+def _decode_body(kind: int, reader: _Reader) -> Command:
+    if kind == Kind.APPEND:
+        timestamp_ms = reader.integer(_I64)
+        count = reader.integer(_U32)
+        return Append(timestamp_ms, tuple(_decode_item(reader) for _ in range(count)))
+    if kind == Kind.CREATE_TABLE:
+        table = reader.string("table")
+        schema_ipc = bytes(reader.blob())
+        cache_limit = reader.integer(_I64)
+        key_column = reader.string("key_column") if reader.flag("key_column") else None
+        return CreateTable(table, schema_ipc, cache_limit, key_column, reader.integer(_I64))
+    if kind == Kind.DROP_TABLE:
+        return DropTable(reader.string("table"), reader.flag("force"))
+    if kind == Kind.COMMIT_OFFSET:
+        return CommitOffset(reader.string("topic"), reader.integer(_I64))
+    if kind == Kind.REMOVE_OFFSET:
+        return RemoveOffset(reader.string("topic"))
+    if kind == Kind.NOOP:
+        return Noop()
+    raise _invalid(f"unknown kind {kind}")
+
+
+def decode(data: bytes | memoryview) -> Command:
+    """The command in entry bytes `data`. Payloads are zero-copy memoryviews into `data`
+    (the caller keeps `data` alive and unchanged while they are used). Any malformed input
+    raises InvalidArgument("command", detail) and nothing else."""
+    view = memoryview(data)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    reader = _Reader(view)
+    version = reader.integer(_U8)
+    if version != VERSION:
+        raise _invalid(f"unknown version {version}; this node reads version {VERSION}")
+    command = _decode_body(reader.integer(_U8), reader)
+    reader.finish()
+    return command

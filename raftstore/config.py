@@ -1,0 +1,573 @@
+"""cluster.cfg -> frozen, validated dataclasses.
+
+The file is DolphinDB style: one `key=value` per line; lines starting with `#` and blank
+lines are ignored; whitespace around key and value is stripped; the value runs to the end
+of the line (there are no trailing comments, so a secret may contain `#`). Keys:
+
+    streamingHAMode=raft                              required; only "raft"
+    streamingRaftGroups=2:node1:node2:node3,3:...     required; groupId (>= 2) then >= 3 aliases
+    streamingRaftSecret=...                           required; authenticates Raft peer traffic
+    persistenceDir=data/<ALIAS>/persistence           data files; global or per node
+    streamingHADir=data/<ALIAS>/raftlog               Raft log; global or per node
+    streamingHAPurgeInterval=300                      seconds between checkpoints (> 0)
+    streamingRaftElectionTimeout=1.5                  min election timeout s (max is 2x)
+    node1.host=127.0.0.1                              a node is declared by `<alias>.port`
+    node1.port=8901                                   client gRPC port
+    node1.raftPorts=2:9201,3:9301                     one Raft port per group of the node
+    node1.persistenceDir=... / node1.streamingHADir=...   per-node overrides
+
+`<ALIAS>` in a directory is replaced by the node's alias; relative directories resolve
+against the directory holding the cfg file. Every refusal raises `ConfigError(path, key,
+value, reason)`. Validation happens once, in `parse`; the dataclasses it returns are
+trusted everywhere else. Pure: nothing here reads the environment; only `load` reads a file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from raftstore.errors import ConfigError, UnknownGroup
+from raftstore.model import NodeAddress
+
+# Global keys and their defaults (None = required).
+KEY_MODE: Final = "streamingHAMode"
+KEY_GROUPS: Final = "streamingRaftGroups"
+KEY_PERSISTENCE_DIR: Final = "persistenceDir"
+KEY_HA_DIR: Final = "streamingHADir"
+KEY_PURGE_INTERVAL: Final = "streamingHAPurgeInterval"
+KEY_SECRET: Final = "streamingRaftSecret"
+KEY_ELECTION_TIMEOUT: Final = "streamingRaftElectionTimeout"
+GLOBAL_KEYS: Final = (
+    KEY_MODE,
+    KEY_GROUPS,
+    KEY_PERSISTENCE_DIR,
+    KEY_HA_DIR,
+    KEY_PURGE_INTERVAL,
+    KEY_SECRET,
+    KEY_ELECTION_TIMEOUT,
+)
+# Per-node keys: `<alias>.<field>`.
+FIELD_HOST: Final = "host"
+FIELD_PORT: Final = "port"
+FIELD_RAFT_PORTS: Final = "raftPorts"
+NODE_FIELDS: Final = (FIELD_HOST, FIELD_PORT, FIELD_RAFT_PORTS, KEY_PERSISTENCE_DIR, KEY_HA_DIR)
+
+HA_MODE_RAFT: Final = "raft"
+ALIAS_PLACEHOLDER: Final = "<ALIAS>"
+PURGE_INTERVAL_S_DEFAULT: Final = 300.0
+ELECTION_TIMEOUT_S_DEFAULT: Final = 1.5
+ELECTION_TIMEOUT_S_MIN: Final = 0.2
+ELECTION_TIMEOUT_S_MAX: Final = 60.0
+GROUP_MEMBERS_MIN: Final = 3  # a majority must survive one failure
+GROUP_ID_MIN: Final = 2  # as in DolphinDB; 0 is the node-local (non-HA) group
+GROUP_ID_MAX: Final = 2**31 - 1  # the proto carries it as int32
+PORT_MIN: Final = 1
+PORT_MAX: Final = 65535
+CONFIG_BYTES_MAX: Final = 1024 * 1024  # a cfg file is small; refuse anything absurd
+
+ALIAS_PATTERN: Final = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+HOST_PATTERN: Final = re.compile(r"[A-Za-z0-9._-]{1,253}")  # no ':' (the address separator)
+_INTEGER_PATTERN: Final = re.compile(r"[0-9]{1,10}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeConfig:
+    alias: str
+    host: str
+    port: int  # client gRPC port
+    raft_ports: tuple[tuple[int, int], ...]  # (group_id, port), sorted by group
+    persistence_dir: Path  # absolute, <ALIAS> substituted
+    ha_dir: Path  # absolute, <ALIAS> substituted
+
+    def raft_port(self, group_id: int) -> int:
+        """This node's Raft port for `group_id`. Asking for a group the node is not in is a
+        programmer error (config validation guarantees the ports of its groups)."""
+        for group, port in self.raft_ports:
+            if group == group_id:
+                return port
+        raise AssertionError(f"node {self.alias} is not in raft group {group_id}")
+
+    @property
+    def group_ids(self) -> tuple[int, ...]:
+        return tuple(group for group, _ in self.raft_ports)
+
+    @property
+    def address(self) -> NodeAddress:
+        """The client endpoint, `host:port:alias`."""
+        return NodeAddress(host=self.host, port=self.port, alias=self.alias)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RaftGroupConfig:
+    group_id: int
+    members: tuple[str, ...]  # aliases, in cfg order
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterConfig:
+    path: Path  # absolute path of the cfg file (for messages; not rendered)
+    ha_mode: str
+    groups: tuple[RaftGroupConfig, ...]  # in cfg order
+    nodes: tuple[NodeConfig, ...]  # in the order of their `<alias>.port` lines
+    purge_interval_s: float
+    raft_secret: str = field(repr=False)  # never printed or logged
+    election_timeout_s: float  # min election timeout; the max is twice it
+
+    def node(self, alias: str) -> NodeConfig:
+        """The node named `alias`; raises ConfigError if the cfg does not declare it."""
+        for node in self.nodes:
+            if node.alias == alias:
+                return node
+        raise ConfigError(str(self.path), "node", alias, "unknown node")
+
+    def group(self, group_id: int) -> RaftGroupConfig:
+        """The Raft group `group_id`; raises UnknownGroup if the cfg does not declare it."""
+        for group in self.groups:
+            if group.group_id == group_id:
+                return group
+        raise UnknownGroup(group_id)
+
+    def groups_of(self, alias: str) -> tuple[RaftGroupConfig, ...]:
+        """The groups `alias` is a member of, in cfg order."""
+        return tuple(group for group in self.groups if alias in group.members)
+
+    def raft_address(self, alias: str, group_id: int) -> str:
+        """`host:port` of the Raft endpoint of `alias` in `group_id` (pysyncobj's address)."""
+        node = self.node(alias)
+        return f"{node.host}:{node.raft_port(group_id)}"
+
+    def raft_peers(self, alias: str, group_id: int) -> tuple[str, ...]:
+        """`host:port` Raft endpoints of the other members of `group_id`, in cfg order."""
+        members = self.group(group_id).members
+        assert alias in members, f"node {alias} is not in raft group {group_id}"
+        return tuple(self.raft_address(peer, group_id) for peer in members if peer != alias)
+
+
+def load(path: str | Path) -> ClusterConfig:
+    """Read and validate the cfg file at `path`. Raises ConfigError (also for I/O errors)."""
+    absolute = Path(os.path.abspath(path))
+    try:
+        with absolute.open("rb") as file:
+            data = file.read(CONFIG_BYTES_MAX + 1)
+    except OSError as error:
+        raise ConfigError(str(absolute), "file", str(path), error.strerror or str(error)) from None
+    if len(data) > CONFIG_BYTES_MAX:
+        reason = f"larger than {CONFIG_BYTES_MAX} bytes"
+        raise ConfigError(str(absolute), "file", str(path), reason)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(str(absolute), "file", str(path), f"not UTF-8: {error}") from None
+    return parse(text, absolute)
+
+
+def parse(text: str, path: Path) -> ClusterConfig:
+    """Validate cfg `text`. `path` names the file in errors and anchors relative dirs."""
+    path = Path(os.path.abspath(path))
+    where = str(path)
+    entries = _read_entries(text, where)
+    global_values, node_values = _split_keys(entries, where)
+    ha_mode = _parse_mode(where, global_values)
+    groups = _parse_groups(where, global_values.get(KEY_GROUPS))
+    _check_members_declared(where, global_values[KEY_GROUPS], groups, node_values)
+    nodes = tuple(
+        _parse_node(where, path.parent, alias, fields, global_values, groups)
+        for alias, fields in node_values.items()
+    )
+    _check_ports_unique(where, nodes)
+    _check_dirs_disjoint(where, nodes)
+    return ClusterConfig(
+        path=path,
+        ha_mode=ha_mode,
+        groups=groups,
+        nodes=nodes,
+        purge_interval_s=_parse_purge_interval(where, global_values),
+        raft_secret=_parse_secret(where, global_values),
+        election_timeout_s=_parse_election_timeout(where, global_values),
+    )
+
+
+def render(cluster: ClusterConfig) -> str:
+    """A cfg text that `parse(text, cluster.path)` reads back to a config equal to `cluster`.
+
+    Directories are written absolute: as one global `<ALIAS>` template when every node
+    follows it, else per node. `cluster` must be valid (as `parse` returns them)."""
+    lines = [
+        "# Generated by raftstore.config.render",
+        f"{KEY_MODE}={cluster.ha_mode}",
+        f"{KEY_GROUPS}=" + ",".join(_render_group(group) for group in cluster.groups),
+        f"{KEY_SECRET}={_renderable(cluster.raft_secret)}",
+        f"{KEY_PURGE_INTERVAL}={cluster.purge_interval_s!r}",
+        f"{KEY_ELECTION_TIMEOUT}={cluster.election_timeout_s!r}",
+    ]
+    persistence_template = _alias_template([(n.alias, n.persistence_dir) for n in cluster.nodes])
+    ha_template = _alias_template([(n.alias, n.ha_dir) for n in cluster.nodes])
+    if persistence_template is not None:
+        lines.append(f"{KEY_PERSISTENCE_DIR}={_renderable(persistence_template)}")
+    if ha_template is not None:
+        lines.append(f"{KEY_HA_DIR}={_renderable(ha_template)}")
+    for node in cluster.nodes:
+        lines.append("")
+        lines.append(f"{node.alias}.{FIELD_HOST}={node.host}")
+        lines.append(f"{node.alias}.{FIELD_PORT}={node.port}")
+        raft_ports = ",".join(f"{group}:{port}" for group, port in node.raft_ports)
+        lines.append(f"{node.alias}.{FIELD_RAFT_PORTS}={raft_ports}")
+        if persistence_template is None:
+            lines.append(
+                f"{node.alias}.{KEY_PERSISTENCE_DIR}={_renderable(str(node.persistence_dir))}"
+            )
+        if ha_template is None:
+            lines.append(f"{node.alias}.{KEY_HA_DIR}={_renderable(str(node.ha_dir))}")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------
+# Lines and keys
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    value: str
+    line: int
+
+
+_BLANKS: Final = " \t\r\f\v"
+
+
+def _read_entries(text: str, where: str) -> dict[str, _Entry]:
+    """`key -> (value, line number)`; refuses lines without `=`, empty keys, duplicates."""
+    entries: dict[str, _Entry] = {}
+    # Only "\n" ends a line and only ASCII blanks are stripped (str.splitlines/strip
+    # would also cut at Unicode separators, which may appear inside a secret).
+    for number, raw in enumerate(text.split("\n"), start=1):
+        line = raw.strip(_BLANKS)
+        if not line or line.startswith("#"):
+            continue
+        key, separator, value = line.partition("=")
+        key, value = key.strip(_BLANKS), value.strip(_BLANKS)
+        if not separator or not key:
+            raise ConfigError(where, f"line {number}", line, "malformed line; expected key=value")
+        if key in entries:
+            reason = f"duplicate key (first set on line {entries[key].line})"
+            raise ConfigError(where, key, value, reason)
+        entries[key] = _Entry(value, number)
+    return entries
+
+
+def _split_keys(
+    entries: dict[str, _Entry], where: str
+) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """Global `key -> value`, and per declared node `alias -> {field -> value}` in the
+    order of the nodes' `<alias>.port` lines. Refuses unknown keys and undeclared nodes."""
+    global_values: dict[str, str] = {}
+    fields_by_alias: dict[str, dict[str, str]] = {}
+    port_lines: dict[str, int] = {}
+    for key, entry in entries.items():
+        if key in GLOBAL_KEYS:
+            global_values[key] = entry.value
+            continue
+        alias, dot, field = key.partition(".")
+        if not dot:
+            raise ConfigError(where, key, entry.value, _unknown_key_reason(key, GLOBAL_KEYS))
+        if ALIAS_PATTERN.fullmatch(alias) is None:
+            reason = f"bad node alias {alias!r}; expected {ALIAS_PATTERN.pattern}"
+            raise ConfigError(where, key, entry.value, reason)
+        if field not in NODE_FIELDS:
+            reason = _unknown_key_reason(field, NODE_FIELDS, prefix=f"{alias}.")
+            raise ConfigError(where, key, entry.value, reason)
+        fields_by_alias.setdefault(alias, {})[field] = entry.value
+        if field == FIELD_PORT:
+            port_lines[alias] = entry.line
+    for alias, fields in fields_by_alias.items():
+        if alias not in port_lines:
+            key = f"{alias}.{FIELD_PORT}"
+            some_key, some_value = next(iter(fields.items()))
+            reason = f"missing {key}: {alias}.{some_key}={some_value} names an undeclared node"
+            raise ConfigError(where, key, "", reason)
+    declared = sorted(port_lines, key=port_lines.__getitem__)
+    return global_values, {alias: fields_by_alias[alias] for alias in declared}
+
+
+def _unknown_key_reason(name: str, known: Iterable[str], prefix: str = "") -> str:
+    for candidate in known:
+        if candidate.lower() == name.lower():
+            return f"unknown key; did you mean {prefix}{candidate}?"
+    return "unknown key; expected one of " + ", ".join(prefix + k for k in known)
+
+
+# ---------------------------------------------------------------------------------------
+# Global values
+
+
+def _required(where: str, key: str, value: str | None) -> str:
+    if value is None or value == "":
+        raise ConfigError(where, key, value or "", "required key is missing or empty")
+    return value
+
+
+def _parse_mode(where: str, global_values: dict[str, str]) -> str:
+    mode = _required(where, KEY_MODE, global_values.get(KEY_MODE))
+    if mode != HA_MODE_RAFT:
+        raise ConfigError(where, KEY_MODE, mode, f"only {HA_MODE_RAFT!r} is supported")
+    return mode
+
+
+def _parse_secret(where: str, global_values: dict[str, str]) -> str:
+    return _required(where, KEY_SECRET, global_values.get(KEY_SECRET))
+
+
+def _parse_seconds(where: str, key: str, global_values: dict[str, str], default: float) -> float:
+    """A finite float of seconds, or `default` when the key is absent."""
+    text = global_values.get(key)
+    if text is None:
+        return default
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ConfigError(where, key, text, "not a number of seconds") from None
+    if not math.isfinite(seconds):
+        raise ConfigError(where, key, text, "must be a finite number of seconds")
+    return seconds
+
+
+def _parse_purge_interval(where: str, global_values: dict[str, str]) -> float:
+    key = KEY_PURGE_INTERVAL
+    seconds = _parse_seconds(where, key, global_values, PURGE_INTERVAL_S_DEFAULT)
+    if seconds <= 0.0:
+        raise ConfigError(where, key, global_values[key], "must be > 0 seconds")
+    return seconds
+
+
+def _parse_election_timeout(where: str, global_values: dict[str, str]) -> float:
+    key = KEY_ELECTION_TIMEOUT
+    seconds = _parse_seconds(where, key, global_values, ELECTION_TIMEOUT_S_DEFAULT)
+    if not ELECTION_TIMEOUT_S_MIN <= seconds <= ELECTION_TIMEOUT_S_MAX:
+        reason = f"must be >= {ELECTION_TIMEOUT_S_MIN} and <= {ELECTION_TIMEOUT_S_MAX} seconds"
+        raise ConfigError(where, key, global_values[key], reason)
+    return seconds
+
+
+def _parse_int(where: str, key: str, value: str, text: str, what: str) -> int:
+    """A plain decimal integer (no sign, no `_`); `value` is the whole value for messages."""
+    if _INTEGER_PATTERN.fullmatch(text) is None:
+        raise ConfigError(where, key, value, f"{what} {text!r} is not a decimal integer")
+    return int(text)
+
+
+def _parse_port(where: str, key: str, value: str, text: str) -> int:
+    port = _parse_int(where, key, value, text, "port")
+    if not PORT_MIN <= port <= PORT_MAX:
+        reason = f"port {port} is out of range {PORT_MIN}..{PORT_MAX}"
+        raise ConfigError(where, key, value, reason)
+    return port
+
+
+def _parse_group_id(where: str, key: str, value: str, text: str) -> int:
+    group_id = _parse_int(where, key, value, text, "group id")
+    if not GROUP_ID_MIN <= group_id <= GROUP_ID_MAX:
+        reason = f"group id {group_id} must be >= {GROUP_ID_MIN} (and <= {GROUP_ID_MAX})"
+        raise ConfigError(where, key, value, reason)
+    return group_id
+
+
+def _parse_groups(where: str, value: str | None) -> tuple[RaftGroupConfig, ...]:
+    text = _required(where, KEY_GROUPS, value)
+    groups: list[RaftGroupConfig] = []
+    for item in text.split(","):
+        group = _parse_group(where, text, item.strip())
+        if any(seen.group_id == group.group_id for seen in groups):
+            reason = f"duplicate group id {group.group_id}"
+            raise ConfigError(where, KEY_GROUPS, text, reason)
+        groups.append(group)
+    return tuple(groups)
+
+
+def _parse_group(where: str, value: str, item: str) -> RaftGroupConfig:
+    """One `groupId:alias:alias:...` item of streamingRaftGroups."""
+    if not item:
+        raise ConfigError(where, KEY_GROUPS, value, "empty group (stray comma?)")
+    group_text, *members = (part.strip() for part in item.split(":"))
+    group_id = _parse_group_id(where, KEY_GROUPS, value, group_text)
+    for alias in members:
+        if ALIAS_PATTERN.fullmatch(alias) is None:
+            reason = f"group {group_id}: bad node alias {alias!r}"
+            raise ConfigError(where, KEY_GROUPS, value, reason)
+    duplicates = sorted({alias for alias in members if members.count(alias) > 1})
+    if duplicates:
+        reason = f"group {group_id} lists {', '.join(duplicates)} more than once"
+        raise ConfigError(where, KEY_GROUPS, value, reason)
+    if len(members) < GROUP_MEMBERS_MIN:
+        reason = f"group {group_id} has {len(members)} nodes; at least {GROUP_MEMBERS_MIN}"
+        raise ConfigError(where, KEY_GROUPS, value, reason)
+    return RaftGroupConfig(group_id=group_id, members=tuple(members))
+
+
+def _check_members_declared(
+    where: str,
+    groups_text: str,
+    groups: tuple[RaftGroupConfig, ...],
+    node_values: dict[str, dict[str, str]],
+) -> None:
+    members = {alias for group in groups for alias in group.members}
+    for group in groups:
+        for alias in group.members:
+            if alias not in node_values:
+                reason = f"group {group.group_id} member {alias} is not declared ({alias}.port)"
+                raise ConfigError(where, KEY_GROUPS, groups_text, reason)
+    for alias, fields in node_values.items():
+        if alias not in members:
+            key = f"{alias}.{FIELD_PORT}"
+            raise ConfigError(where, key, fields[FIELD_PORT], f"node {alias} is in no raft group")
+
+
+# ---------------------------------------------------------------------------------------
+# Nodes
+
+
+def _parse_node(
+    where: str,
+    base_dir: Path,
+    alias: str,
+    fields: dict[str, str],
+    global_values: dict[str, str],
+    groups: tuple[RaftGroupConfig, ...],
+) -> NodeConfig:
+    host_key = f"{alias}.{FIELD_HOST}"
+    host = _required(where, host_key, fields.get(FIELD_HOST))
+    if HOST_PATTERN.fullmatch(host) is None:
+        reason = "bad host; expected a name or IPv4 address (letters, digits, '.', '-', '_')"
+        raise ConfigError(where, host_key, host, reason)
+    port_key = f"{alias}.{FIELD_PORT}"
+    port = _parse_port(where, port_key, fields[FIELD_PORT], fields[FIELD_PORT])
+    member_of = tuple(group.group_id for group in groups if alias in group.members)
+    raft_ports = _parse_raft_ports(where, alias, fields.get(FIELD_RAFT_PORTS), member_of)
+    persistence_dir = _node_dir(where, base_dir, alias, KEY_PERSISTENCE_DIR, fields, global_values)
+    ha_dir = _node_dir(where, base_dir, alias, KEY_HA_DIR, fields, global_values)
+    return NodeConfig(
+        alias=alias,
+        host=host,
+        port=port,
+        raft_ports=raft_ports,
+        persistence_dir=persistence_dir,
+        ha_dir=ha_dir,
+    )
+
+
+def _parse_raft_ports(
+    where: str, alias: str, value: str | None, member_of: tuple[int, ...]
+) -> tuple[tuple[int, int], ...]:
+    """`groupId:port,...` -> sorted (group, port) pairs, exactly one per group of the node."""
+    key = f"{alias}.{FIELD_RAFT_PORTS}"
+    text = _required(where, key, value)
+    ports: dict[int, int] = {}
+    for item in text.split(","):
+        group_text, separator, port_text = item.strip().partition(":")
+        if not separator:
+            raise ConfigError(where, key, text, f"item {item.strip()!r} is not groupId:port")
+        group_id = _parse_group_id(where, key, text, group_text.strip())
+        if group_id in ports:
+            raise ConfigError(where, key, text, f"group {group_id} is listed more than once")
+        if group_id not in member_of:
+            reason = f"node {alias} is not a member of group {group_id} ({KEY_GROUPS})"
+            raise ConfigError(where, key, text, reason)
+        ports[group_id] = _parse_port(where, key, text, port_text.strip())
+    missing = [group_id for group_id in member_of if group_id not in ports]
+    if missing:
+        reason = f"no Raft port for group(s) {', '.join(map(str, missing))} of node {alias}"
+        raise ConfigError(where, key, text, reason)
+    return tuple(sorted(ports.items()))
+
+
+def _node_dir(
+    where: str,
+    base_dir: Path,
+    alias: str,
+    dir_key: str,
+    fields: dict[str, str],
+    global_values: dict[str, str],
+) -> Path:
+    """The node's `dir_key` directory: its own override, else the global value; `<ALIAS>`
+    substituted, relative paths resolved against the cfg file's directory (lexically)."""
+    node_key = f"{alias}.{dir_key}"
+    if dir_key in fields:
+        key, value = node_key, fields[dir_key]
+    elif dir_key in global_values:
+        key, value = dir_key, global_values[dir_key]
+    else:
+        key, value = node_key, ""
+    if value == "":
+        reason = f"required: set {dir_key} (may use {ALIAS_PLACEHOLDER}) or {node_key}"
+        raise ConfigError(where, key, value, reason)
+    substituted = value.replace(ALIAS_PLACEHOLDER, alias)
+    return Path(os.path.normpath(base_dir / substituted))
+
+
+def _check_ports_unique(where: str, nodes: tuple[NodeConfig, ...]) -> None:
+    """No two endpoints (client or Raft, any node) on one host share a port."""
+    owners: dict[tuple[str, int], str] = {}
+    for node in nodes:
+        endpoints = [(f"{node.alias}.{FIELD_PORT}", node.port, str(node.port))]
+        raft_text = ",".join(f"{group}:{port}" for group, port in node.raft_ports)
+        raft_key = f"{node.alias}.{FIELD_RAFT_PORTS}"
+        endpoints += [(raft_key, port, raft_text) for _, port in node.raft_ports]
+        for key, port, value in endpoints:
+            slot = (node.host.lower(), port)
+            if slot in owners:
+                reason = f"port {port} on host {node.host} is already used by {owners[slot]}"
+                raise ConfigError(where, key, value, reason)
+            owners[slot] = key
+
+
+def _check_dirs_disjoint(where: str, nodes: tuple[NodeConfig, ...]) -> None:
+    """No two directories (data or Raft log, any nodes) are equal or nested in each other:
+    a node owns its directories alone, and its data files never mix with a Raft log."""
+    seen: list[tuple[str, Path]] = []
+    for node in nodes:
+        for dir_key, directory in (
+            (KEY_PERSISTENCE_DIR, node.persistence_dir),
+            (KEY_HA_DIR, node.ha_dir),
+        ):
+            key = f"{node.alias}.{dir_key}"
+            for other_key, other in seen:
+                if directory == other:
+                    reason = f"directory is also {other_key}"
+                elif directory.is_relative_to(other) or other.is_relative_to(directory):
+                    reason = f"directory is nested with {other_key}={other}"
+                else:
+                    continue
+                raise ConfigError(where, key, str(directory), reason)
+            seen.append((key, directory))
+
+
+# ---------------------------------------------------------------------------------------
+# Rendering
+
+
+def _render_group(group: RaftGroupConfig) -> str:
+    return ":".join([str(group.group_id), *group.members])
+
+
+def _renderable(value: str) -> str:
+    assert value == value.strip(_BLANKS), f"value {value!r} has surrounding blanks"
+    assert "\n" not in value, "a cfg value cannot span lines"
+    return value
+
+
+def _alias_template(dirs: list[tuple[str, Path]]) -> str | None:
+    """One `<ALIAS>` template that yields every node's directory, if there is one."""
+    templates = {str(directory).replace(alias, ALIAS_PLACEHOLDER) for alias, directory in dirs}
+    if len(templates) != 1:
+        return None
+    template = templates.pop()
+    if ALIAS_PLACEHOLDER not in template and len(dirs) > 1:
+        return None
+    for alias, directory in dirs:
+        if template.replace(ALIAS_PLACEHOLDER, alias) != str(directory):
+            return None
+    return template

@@ -1,0 +1,231 @@
+"""Deduplication windows, pure and deterministic (the same on every replica).
+
+- `KeyWindow`: a keyed table drops a row whose key is among the keys of the table's last
+  `window_rows` rows, or appeared earlier in the same batch. Bounded: it holds at most
+  `window_rows` keys. Offsets are row numbers since table creation; the window covers the
+  half-open range `[offset_from, offset_to)` and `offset_to` is the table's row count.
+- `ProducerWindow`: an item whose `(producer_id, sequence)` is not above the producer's last
+  applied sequence is a retry; it is answered with the stored result and not applied.
+  Bounded: the least recently written producers beyond `producers_max` are forgotten.
+
+Neither class is thread-safe: the owner (the state machine, on the apply thread) serializes
+calls. Not checkpointed as such: the producer window travels in the state machine snapshot
+(`to_json`), the key window is rebuilt from the table's last rows (`rebuild`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import pyarrow as pa
+
+PRODUCER_ID_BYTES: Final = 16
+
+# NaN != NaN in Python, so every NaN key would be new. Keys use one NaN instead.
+_NAN_KEY: Final = ("NaN",)
+
+
+def _python_keys(keys: pa.Array | pa.ChunkedArray) -> list[Hashable]:
+    """The keys as hashable Python values, one `to_pylist` per batch.
+
+    Temporal keys are compared by their integer storage (a timestamp beyond year 9999 has no
+    Python datetime); dictionary keys by their values; every NaN is one key; None (null) is
+    a key like any other."""
+    if isinstance(keys, pa.ChunkedArray):
+        keys = keys.combine_chunks()
+    key_type = keys.type
+    if pa.types.is_dictionary(key_type):
+        return _python_keys(keys.dictionary_decode())
+    if pa.types.is_temporal(key_type) and key_type.bit_width in (32, 64):
+        return _python_keys(keys.view(pa.int32() if key_type.bit_width == 32 else pa.int64()))
+    values: list[Any] = keys.to_pylist()
+    if pa.types.is_floating(key_type):
+        return [_NAN_KEY if value != value else value for value in values]
+    return values
+
+
+class KeyWindow:
+    """The keys of a table's last `window_rows` rows: key -> offset of the row holding it."""
+
+    __slots__ = ("_keys", "_offset_from", "_offset_to", "_offsets", "_window_rows")
+
+    def __init__(self, window_rows: int) -> None:
+        assert window_rows >= 1, window_rows
+        self._window_rows = window_rows
+        self._keys: deque[Hashable] = deque()  # Keys of rows offset_from, offset_from + 1, ...
+        self._offsets: dict[Hashable, int] = {}  # Key -> its latest offset in the window.
+        self._offset_from = 0
+        self._offset_to = 0
+
+    @property
+    def window_rows(self) -> int:
+        return self._window_rows
+
+    @property
+    def offset_from(self) -> int:
+        """First offset the window covers (inclusive)."""
+        return self._offset_from
+
+    @property
+    def offset_to(self) -> int:
+        """End of the range the window covers (exclusive): the next row's offset."""
+        return self._offset_to
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._offsets
+
+    def entries(self) -> list[tuple[int, Hashable]]:
+        """(offset, key) of every row in the window, in offset order."""
+        return list(enumerate(self._keys, start=self._offset_from))
+
+    def filter(self, keys: pa.Array | pa.ChunkedArray, first_offset: int) -> pa.BooleanArray:
+        """Mask of the rows to keep (True) of a batch that starts at `first_offset`.
+
+        A row is dropped if its key is in the window or appeared earlier in the batch. The
+        window is the one before the batch: it does not slide within the batch. Pure."""
+        assert first_offset == self._offset_to, (first_offset, self._offset_to)
+        window = self._offsets
+        seen: set[Hashable] = set()
+        mask: list[bool] = []
+        for key in _python_keys(keys):
+            keep = key not in window and key not in seen
+            if keep:
+                seen.add(key)
+            mask.append(keep)
+        return pa.array(mask, type=pa.bool_())
+
+    def add(self, kept_keys: pa.Array | pa.ChunkedArray, first_offset: int) -> None:
+        """Record the kept rows' keys at offsets first_offset, first_offset + 1, ...; then
+        evict the keys of rows with offset < new row count - window_rows."""
+        assert first_offset == self._offset_to, (first_offset, self._offset_to)
+        self._extend(_python_keys(kept_keys))
+        self._evict()
+
+    def rebuild(self, keys: pa.Array | pa.ChunkedArray, first_offset: int) -> None:
+        """Reset the window from the key column of the table's rows
+        `[first_offset, first_offset + len(keys))`, the last rows of the table."""
+        assert first_offset >= 0, first_offset
+        skip = max(0, len(keys) - self._window_rows)
+        self._keys.clear()
+        self._offsets.clear()
+        self._offset_from = first_offset + skip
+        self._offset_to = first_offset + skip
+        self._extend(_python_keys(keys[skip:]))
+        self._evict()
+
+    def _extend(self, keys: list[Hashable]) -> None:
+        offset = self._offset_to
+        offsets = self._offsets
+        for key in keys:
+            # A key already present (only after a rebuild with a larger window) moves to
+            # its latest row; eviction of the older row then leaves it in place.
+            offsets[key] = offset
+            offset += 1
+        self._keys.extend(keys)
+        self._offset_to = offset
+
+    def _evict(self) -> None:
+        offset_from_min = self._offset_to - self._window_rows
+        offsets = self._offsets
+        keys = self._keys
+        offset = self._offset_from
+        while offset < offset_from_min:
+            key = keys.popleft()
+            if offsets.get(key) == offset:
+                del offsets[key]
+            offset += 1
+        self._offset_from = offset
+        assert self._offset_from >= 0, self._offset_from
+        assert self._offset_from <= self._offset_to, (self._offset_from, self._offset_to)
+        assert self._offset_to - self._offset_from <= self._window_rows
+        assert len(keys) == self._offset_to - self._offset_from
+        assert len(offsets) <= len(keys)
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerRecord:
+    """A producer's last applied item and its result."""
+
+    sequence: int
+    first_offset: int
+    row_count: int  # Rows kept.
+    duplicates: int  # Rows dropped by key dedup.
+
+
+class ProducerWindow:
+    """producer_id -> its last applied item, for the `producers_max` most recently written
+    producers. Only the last item is stored, so a retry of an older sequence is answered
+    with the last item's result."""
+
+    __slots__ = ("_producers_max", "_records")
+
+    def __init__(self, producers_max: int) -> None:
+        assert producers_max >= 1, producers_max
+        self._producers_max = producers_max
+        # Least recently written first.
+        self._records: OrderedDict[bytes, ProducerRecord] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, producer_id: object) -> bool:
+        return producer_id in self._records
+
+    def last(self, producer_id: bytes) -> ProducerRecord | None:
+        return self._records.get(producer_id)
+
+    def check(self, producer_id: bytes, sequence: int) -> ProducerRecord | None:
+        """The stored record if `sequence` is a retry (<= the last applied sequence), else
+        None (apply it). Reads do not count as writes for eviction."""
+        record = self._records.get(producer_id)
+        if record is not None and sequence <= record.sequence:
+            return record
+        return None
+
+    def record(self, producer_id: bytes, record: ProducerRecord) -> None:
+        """Store `record` as the producer's last applied item, evicting the least recently
+        written producer beyond producers_max."""
+        assert len(producer_id) == PRODUCER_ID_BYTES, len(producer_id)
+        previous = self._records.pop(producer_id, None)
+        if previous is not None:
+            assert record.sequence > previous.sequence, (record.sequence, previous.sequence)
+        self._records[producer_id] = record
+        while len(self._records) > self._producers_max:
+            self._records.popitem(last=False)
+
+    def to_json(self) -> list[list[str | int]]:
+        """JSON-ready form, least recently written first (the order eviction depends on):
+        [[producer_id hex, sequence, first_offset, row_count, duplicates], ...]."""
+        return [
+            [
+                producer_id.hex(),
+                record.sequence,
+                record.first_offset,
+                record.row_count,
+                record.duplicates,
+            ]
+            for producer_id, record in self._records.items()
+        ]
+
+    @classmethod
+    def from_json(cls, data: list[list[Any]], producers_max: int) -> ProducerWindow:
+        """Inverse of `to_json`. Raises ValueError, TypeError or KeyError on malformed data
+        (the caller maps them to its own error)."""
+        window = cls(producers_max)
+        for producer_id_hex, sequence, first_offset, row_count, duplicates in data:
+            producer_id = bytes.fromhex(producer_id_hex)
+            if len(producer_id) != PRODUCER_ID_BYTES:
+                raise ValueError(f"producer_id {producer_id_hex!r} is not 16 bytes")
+            values = (sequence, first_offset, row_count, duplicates)
+            if not all(type(value) is int for value in values):
+                raise TypeError(f"producer {producer_id_hex}: non-integer field in {values}")
+            if producer_id in window._records:
+                raise ValueError(f"producer {producer_id_hex} appears twice")
+            window.record(producer_id, ProducerRecord(*values))
+        return window

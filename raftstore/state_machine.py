@@ -1,0 +1,638 @@
+"""The replicated state of one Raft group, pure and deterministic.
+
+`GroupStateMachine.apply(lsn, command)` decides; it performs no I/O. It returns the effects
+the shell must perform, in order, before answering the client (create or drop a table's
+files, append records), and a result that is the same on every replica. Operating errors
+(unknown table, schema mismatch...) are results, never raised, so every replica takes the
+same path. Everything apply needs travels in the command: the leader stamps the time.
+
+State per group: tables (meta, row count, last LSN, key window), topic offsets, producer
+window. `snapshot()` / `restore()` carry all of it except the key windows, which the shell
+rebuilds after a restore from the table's last rows (`key_window_range`,
+`rebuild_key_window`), so checkpoints stay small.
+
+Threads: `apply`, `snapshot`, `rebuild_key_window` run on the group's apply thread (the
+Raft tick thread). `validate_append` / `validate_create` and the read accessors may be called
+from other threads: they only read immutable metadata through single dict lookups.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Final
+
+import pyarrow as pa
+
+from raftstore import limits
+from raftstore.commands import (
+    Append,
+    AppendItem,
+    Command,
+    CommitOffset,
+    CreateTable,
+    DropTable,
+    Noop,
+    RemoveOffset,
+)
+from raftstore.dedup import KeyWindow, ProducerRecord, ProducerWindow
+from raftstore.errors import (
+    BatchTooLarge,
+    EmptyBatch,
+    InvalidArgument,
+    RaftStoreError,
+    SchemaMismatch,
+    TableExists,
+    TableNotFound,
+    TopicNotFound,
+)
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_FORMAT: Final = 1
+_TABLE_NAME: Final = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+# What pyarrow raises on bytes that are not what they claim to be.
+_ARROW_ERRORS: Final = (pa.ArrowException, ValueError, OSError)
+
+
+@dataclass(frozen=True, slots=True)
+class TableMeta:
+    table: str
+    schema: pa.Schema
+    schema_ipc: bytes
+    cache_limit: int
+    key_column: str | None
+    retention_minutes: int
+    created_lsn: int
+
+
+# Effects: the shell performs them, in order, before answering the client.
+
+
+@dataclass(frozen=True, slots=True)
+class CreateTableFiles:
+    meta: TableMeta
+
+
+@dataclass(frozen=True, slots=True)
+class DropTableFiles:
+    table: str
+
+
+@dataclass(frozen=True, slots=True)
+class AppendRecords:
+    """Rows `[first_offset, first_offset + batch.num_rows)` of `table`, carried by entry
+    `lsn`. `batch` has exactly the table's schema; it may be a zero-copy view into the
+    entry's bytes, so the shell keeps the entry alive (or copies) while it holds the batch.
+    One entry can yield several AppendRecords for one table (same lsn, contiguous
+    offsets): a replay should skip by offset, not by LSN alone."""
+
+    table: str
+    lsn: int
+    first_offset: int
+    batch: pa.RecordBatch
+    timestamp_ms: int
+
+
+Effect = CreateTableFiles | DropTableFiles | AppendRecords
+
+
+# Results: returned, never raised; the same on every replica.
+
+
+@dataclass(frozen=True, slots=True)
+class ItemResult:
+    """One AppendItem's outcome. With `error` set, the offsets are meaningless
+    (first_offset -1, counts 0). `duplicate_batch`: a producer retry, answered with the
+    stored result of the producer's last item and not applied again."""
+
+    table: str
+    first_offset: int
+    row_count: int  # Rows kept (appended), at [first_offset, first_offset + row_count).
+    duplicates: int  # Rows dropped by key dedup.
+    duplicate_batch: bool
+    error: RaftStoreError | None
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    lsn: int
+    items: tuple[ItemResult, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    """Outcome of CreateTable, DropTable, CommitOffset, RemoveOffset and Noop. `offset`: the
+    committed offset (CommitOffset) or the removed one (RemoveOffset)."""
+
+    lsn: int
+    error: RaftStoreError | None
+    offset: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TableView:
+    meta: TableMeta
+    row_count: int
+    lsn_last: int  # LSN of the table's last appended rows (created_lsn before any).
+
+
+@dataclass(slots=True)
+class _Table:
+    meta: TableMeta
+    row_count: int
+    lsn_last: int
+    key_window: KeyWindow | None  # None: the table has no key column.
+    # After a restore, a keyed table's window is empty until the shell rebuilds it.
+    key_window_pending: bool
+
+
+# ---------------------------------------------------------------------------------------
+# Pure helpers: schema and payload checks.
+
+
+def _read_schema(schema_ipc: bytes) -> pa.Schema:
+    try:
+        schema = pa.ipc.read_schema(pa.py_buffer(schema_ipc))
+    except _ARROW_ERRORS as error:
+        raise InvalidArgument("schema", f"not an Arrow IPC schema: {error}") from None
+    assert isinstance(schema, pa.Schema)
+    return schema
+
+
+def _key_type_supported(key_type: pa.DataType) -> bool:
+    """Key columns need hashable Python values: scalars, not nested types."""
+    if pa.types.is_dictionary(key_type):
+        key_type = key_type.value_type
+    checks = (
+        pa.types.is_integer,
+        pa.types.is_floating,
+        pa.types.is_boolean,
+        pa.types.is_string,
+        pa.types.is_large_string,
+        pa.types.is_string_view,
+        pa.types.is_binary,
+        pa.types.is_large_binary,
+        pa.types.is_binary_view,
+        pa.types.is_fixed_size_binary,
+        pa.types.is_temporal,
+        pa.types.is_decimal,
+    )
+    return any(check(key_type) for check in checks)
+
+
+def _check_schema_shape(schema: pa.Schema, key_column: str | None) -> None:
+    if len(schema) == 0:
+        raise InvalidArgument("schema", "no columns")
+    if len(schema) > limits.COLUMNS_MAX:
+        raise InvalidArgument("schema", f"{len(schema)} columns > {limits.COLUMNS_MAX}")
+    names = schema.names
+    if "" in names:
+        raise InvalidArgument("schema", f"column {names.index('')} has an empty name")
+    if len(set(names)) != len(names):
+        duplicated = sorted({name for name in names if names.count(name) > 1})
+        raise InvalidArgument("schema", f"duplicate column names {duplicated}")
+    if key_column is None:
+        return
+    if key_column not in names:
+        raise InvalidArgument("key_column", f"{key_column!r} is not a column of {names}")
+    key_type = schema.field(key_column).type
+    if not _key_type_supported(key_type):
+        raise InvalidArgument("key_column", f"{key_column!r} has unsupported type {key_type}")
+
+
+def _check_create(command: CreateTable, *, exists: bool) -> pa.Schema:
+    table = command.table
+    if not _TABLE_NAME.fullmatch(table) or len(table) > limits.TABLE_NAME_BYTES_MAX:
+        raise InvalidArgument(
+            "table",
+            f"{table!r}: want 1..{limits.TABLE_NAME_BYTES_MAX} characters of [A-Za-z0-9_] "
+            "starting with a letter",
+        )
+    if exists:
+        raise TableExists(table)
+    if command.cache_limit < 1:
+        raise InvalidArgument("cache_limit", f"{command.cache_limit} < 1")
+    if command.retention_minutes < 1:
+        raise InvalidArgument("retention_minutes", f"{command.retention_minutes} < 1")
+    schema = _read_schema(command.schema_ipc)
+    _check_schema_shape(schema, command.key_column)
+    return schema
+
+
+def _read_stream(payload: bytes | memoryview) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """The schema and non-empty, fully validated batches of an Arrow IPC stream
+    (zero-copy: the batches view `payload`)."""
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(payload))
+        batches = [batch for batch in reader if batch.num_rows > 0]
+        for batch in batches:
+            # Full validation (offsets, UTF-8...) costs ~0.1 ms/MB; it keeps a crafted
+            # payload from crashing a later kernel on every replica.
+            batch.validate(full=True)
+    except _ARROW_ERRORS as error:
+        raise InvalidArgument("payload", f"not a valid Arrow IPC stream: {error}") from None
+    schema = reader.schema
+    assert isinstance(schema, pa.Schema)
+    return schema, batches
+
+
+def _schema_difference(table_schema: pa.Schema, schema: pa.Schema) -> str | None:
+    """What differs, naming the column; None if the schemas match (metadata ignored)."""
+    if len(schema) != len(table_schema):
+        return (
+            f"{len(schema)} columns {schema.names}, table has {len(table_schema)} "
+            f"columns {table_schema.names}"
+        )
+    for index, (table_field, field) in enumerate(zip(table_schema, schema, strict=True)):
+        if field.name != table_field.name:
+            return f"column {index} is named {field.name!r}, table has {table_field.name!r}"
+        if not field.type.equals(table_field.type):
+            return f"column {field.name!r} has type {field.type}, table has {table_field.type}"
+    return None
+
+
+def _check_payload(meta: TableMeta, payload: bytes | memoryview) -> list[pa.RecordBatch]:
+    """The payload's non-empty batches, conforming to the table's schema. Raises
+    InvalidArgument("payload", ...) or SchemaMismatch."""
+    schema, batches = _read_stream(payload)
+    difference = _schema_difference(meta.schema, schema)
+    if difference is not None:
+        raise SchemaMismatch(meta.table, difference)
+    for index, table_field in enumerate(meta.schema):
+        if table_field.nullable:
+            continue
+        if any(batch.column(index).null_count for batch in batches):
+            raise SchemaMismatch(
+                meta.table, f"column {table_field.name!r} has nulls but is not nullable"
+            )
+    return batches
+
+
+def _combine(meta: TableMeta, batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    """One RecordBatch with exactly the table's schema; no copy when there is one batch."""
+    assert batches, "combine needs rows"
+    if len(batches) == 1:
+        batch = batches[0]
+    else:
+        try:
+            table = pa.Table.from_batches(batches).combine_chunks()
+        except _ARROW_ERRORS as error:
+            raise InvalidArgument("payload", f"batches do not combine: {error}") from None
+        (batch,) = table.to_batches()
+    if batch.schema.equals(meta.schema, check_metadata=True):
+        return batch
+    return pa.RecordBatch.from_arrays(batch.columns, schema=meta.schema)
+
+
+def _item_error(table: str, error: RaftStoreError) -> ItemResult:
+    return ItemResult(table, -1, 0, 0, False, error)
+
+
+def _topic_table(topic: str) -> str | None:
+    """The table of topic `table/action` (table names never contain "/")."""
+    table, separator, _ = topic.partition("/")
+    return table if separator else None
+
+
+# ---------------------------------------------------------------------------------------
+
+
+class GroupStateMachine:
+    """The replicated state of one Raft group. See the module docstring for threads."""
+
+    def __init__(
+        self,
+        group_id: int,
+        *,
+        dedup_window_rows: int = limits.DEDUP_WINDOW_ROWS,
+        producers_max: int = limits.PRODUCERS_MAX,
+    ) -> None:
+        assert dedup_window_rows >= 1, dedup_window_rows
+        assert producers_max >= 1, producers_max
+        self._group_id = group_id
+        self._dedup_window_rows = dedup_window_rows
+        self._producers_max = producers_max
+        self._lsn_applied = 0
+        self._tables: dict[str, _Table] = {}
+        self._topics: dict[str, int] = {}
+        self._producers = ProducerWindow(producers_max)
+
+    @property
+    def group_id(self) -> int:
+        return self._group_id
+
+    @property
+    def lsn_applied(self) -> int:
+        """LSN of the last applied command (0 before any)."""
+        return self._lsn_applied
+
+    @property
+    def dedup_window_rows(self) -> int:
+        return self._dedup_window_rows
+
+    # -- reads -----------------------------------------------------------------------
+
+    def _state(self, name: str) -> _Table:
+        state = self._tables.get(name)
+        if state is None:
+            raise TableNotFound(name)
+        return state
+
+    def table(self, name: str) -> TableView:
+        """Raises TableNotFound."""
+        state = self._state(name)
+        return TableView(state.meta, state.row_count, state.lsn_last)
+
+    def tables(self) -> list[TableView]:
+        """Every table, sorted by name."""
+        return [self.table(name) for name in sorted(self._tables)]
+
+    def topic_offset(self, topic: str) -> int | None:
+        return self._topics.get(topic)
+
+    def topics(self) -> dict[str, int]:
+        return dict(self._topics)
+
+    # -- leader-side validation (nothing is proposed on error) -------------------------
+
+    def validate_create(self, command: CreateTable) -> pa.Schema:
+        """The table's schema. Raises InvalidArgument (bad name, schema, key column,
+        cache_limit, retention_minutes) or TableExists. apply() applies the same rules."""
+        return _check_create(command, exists=command.table in self._tables)
+
+    def validate_append(self, table: str, payload: bytes | memoryview) -> int:
+        """Row count of a publish, checked before it is proposed. Raises TableNotFound,
+        BatchTooLarge (bytes, then rows), InvalidArgument("payload", ...) for bytes that
+        are not a valid Arrow IPC stream, SchemaMismatch naming the column, EmptyBatch."""
+        meta = self._state(table).meta
+        size = memoryview(payload).nbytes
+        if size > limits.BATCH_BYTES_MAX:
+            raise BatchTooLarge(size, limits.BATCH_BYTES_MAX)
+        batches = _check_payload(meta, payload)
+        rows = sum(batch.num_rows for batch in batches)
+        if rows == 0:
+            raise EmptyBatch(table)
+        if rows > limits.BATCH_ROWS_MAX:
+            raise BatchTooLarge(rows, limits.BATCH_ROWS_MAX, "rows")
+        return rows
+
+    # -- apply -----------------------------------------------------------------------
+
+    def apply(
+        self, lsn: int, command: Command
+    ) -> tuple[list[Effect], AppendResult | CommandResult]:
+        """Apply the committed `command` of entry `lsn`. LSNs strictly increase (they may skip
+        numbers: pysyncobj's own entries are not ours). Returns (effects, result)."""
+        assert lsn > self._lsn_applied, (lsn, self._lsn_applied)
+        effects: list[Effect] = []
+        result: AppendResult | CommandResult
+        match command:
+            case Append():
+                result = self._apply_append(lsn, command, effects)
+            case CreateTable():
+                result = self._apply_create(lsn, command, effects)
+            case DropTable(table=table):
+                result = self._apply_drop(lsn, table, effects)
+            case CommitOffset(topic=topic, offset=offset):
+                result = self._apply_commit_offset(lsn, topic, offset)
+            case RemoveOffset(topic=topic):
+                result = self._apply_remove_offset(lsn, topic)
+            case Noop():
+                result = CommandResult(lsn, None)
+            case _:
+                raise AssertionError(f"not a command: {type(command).__name__}")
+        self._lsn_applied = lsn
+        return effects, result
+
+    def _apply_create(self, lsn: int, command: CreateTable, effects: list[Effect]) -> CommandResult:
+        try:
+            schema = self.validate_create(command)
+        except (InvalidArgument, TableExists) as error:
+            return CommandResult(lsn, error)
+        meta = TableMeta(
+            table=command.table,
+            schema=schema,
+            schema_ipc=command.schema_ipc,
+            cache_limit=command.cache_limit,
+            key_column=command.key_column,
+            retention_minutes=command.retention_minutes,
+            created_lsn=lsn,
+        )
+        key_window = None if meta.key_column is None else KeyWindow(self._dedup_window_rows)
+        self._tables[meta.table] = _Table(meta, 0, lsn, key_window, key_window_pending=False)
+        effects.append(CreateTableFiles(meta))
+        log.info("table created group=%d table=%s lsn=%d", self._group_id, meta.table, lsn)
+        return CommandResult(lsn, None)
+
+    def _apply_drop(self, lsn: int, table: str, effects: list[Effect]) -> CommandResult:
+        if table not in self._tables:
+            return CommandResult(lsn, TableNotFound(table))
+        del self._tables[table]
+        prefix = f"{table}/"
+        for topic in [topic for topic in self._topics if topic.startswith(prefix)]:
+            del self._topics[topic]
+        effects.append(DropTableFiles(table))
+        log.info("table dropped group=%d table=%s lsn=%d", self._group_id, table, lsn)
+        return CommandResult(lsn, None)
+
+    def _apply_commit_offset(self, lsn: int, topic: str, offset: int) -> CommandResult:
+        table = _topic_table(topic)
+        if table is None:
+            return CommandResult(lsn, InvalidArgument("topic", f"{topic!r}: want table/action"))
+        if table not in self._tables:
+            return CommandResult(lsn, TableNotFound(table))
+        # Stored as given, even backwards: the subscriber owns its offset.
+        self._topics[topic] = offset
+        return CommandResult(lsn, None, offset)
+
+    def _apply_remove_offset(self, lsn: int, topic: str) -> CommandResult:
+        offset = self._topics.pop(topic, None)
+        if offset is None:
+            return CommandResult(lsn, TopicNotFound(topic))
+        return CommandResult(lsn, None, offset)
+
+    def _apply_append(self, lsn: int, command: Append, effects: list[Effect]) -> AppendResult:
+        items = tuple(
+            self._apply_item(lsn, command.timestamp_ms, item, effects) for item in command.items
+        )
+        return AppendResult(lsn, items)
+
+    def _apply_item(
+        self, lsn: int, timestamp_ms: int, item: AppendItem, effects: list[Effect]
+    ) -> ItemResult:
+        state = self._tables.get(item.table)
+        if state is None:
+            return _item_error(item.table, TableNotFound(item.table))
+        try:
+            batches = _check_payload(state.meta, item.payload)
+        except (InvalidArgument, SchemaMismatch) as error:
+            return _item_error(item.table, error)
+        if item.producer_id:
+            record = self._producers.check(item.producer_id, item.sequence)
+            if record is not None:
+                return ItemResult(
+                    item.table, record.first_offset, record.row_count, record.duplicates, True, None
+                )
+        first_offset = state.row_count
+        kept = 0
+        duplicates = 0
+        if batches:
+            try:
+                batch = _combine(state.meta, batches)
+            except InvalidArgument as error:
+                return _item_error(item.table, error)
+            batch, duplicates = self._deduplicate(state, batch)
+            kept = batch.num_rows
+            if kept:
+                effects.append(AppendRecords(item.table, lsn, first_offset, batch, timestamp_ms))
+                self._advance(state, lsn, kept)
+        if item.producer_id:
+            self._producers.record(
+                item.producer_id, ProducerRecord(item.sequence, first_offset, kept, duplicates)
+            )
+        return ItemResult(item.table, first_offset, kept, duplicates, False, None)
+
+    def _deduplicate(self, state: _Table, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, int]:
+        """The rows of `batch` to append and the number dropped by the key window, which
+        learns the kept keys."""
+        window = state.key_window
+        key_column = state.meta.key_column
+        if window is None or key_column is None:
+            return batch, 0
+        assert not state.key_window_pending, f"key window of {state.meta.table} not rebuilt"
+        keys = batch.column(key_column)
+        mask = window.filter(keys, state.row_count)
+        kept = mask.true_count
+        if kept < batch.num_rows:
+            batch = batch.filter(mask)
+            keys = batch.column(key_column)
+        window.add(keys, state.row_count)
+        return batch, len(mask) - kept
+
+    @staticmethod
+    def _advance(state: _Table, lsn: int, rows: int) -> None:
+        assert rows > 0, rows
+        assert lsn >= state.lsn_last, (lsn, state.lsn_last)
+        row_count = state.row_count + rows
+        assert row_count > state.row_count, (row_count, state.row_count)
+        state.row_count = row_count
+        state.lsn_last = lsn
+        if state.key_window is not None:
+            assert state.key_window.offset_to == row_count, (state.key_window.offset_to, row_count)
+
+    # -- checkpoint ------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """Deterministic JSON of everything but the rows and the key windows."""
+        tables = [
+            {
+                "table": state.meta.table,
+                "schema_ipc": base64.b64encode(state.meta.schema_ipc).decode("ascii"),
+                "cache_limit": state.meta.cache_limit,
+                "key_column": state.meta.key_column,
+                "retention_minutes": state.meta.retention_minutes,
+                "created_lsn": state.meta.created_lsn,
+                "row_count": state.row_count,
+                "lsn_last": state.lsn_last,
+            }
+            for _, state in sorted(self._tables.items())
+        ]
+        document = {
+            "format": SNAPSHOT_FORMAT,
+            "group_id": self._group_id,
+            "lsn_applied": self._lsn_applied,
+            "tables": tables,
+            "topics": self._topics,
+            "producers": self._producers.to_json(),
+        }
+        return json.dumps(document, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+    @classmethod
+    def restore(
+        cls,
+        group_id: int,
+        data: bytes,
+        *,
+        dedup_window_rows: int = limits.DEDUP_WINDOW_ROWS,
+        producers_max: int = limits.PRODUCERS_MAX,
+    ) -> GroupStateMachine:
+        """The state machine `snapshot()` wrote. Keyed tables with rows then wait for
+        `rebuild_key_window` before their next append. Raises InvalidArgument("snapshot",
+        ...) on anything malformed."""
+        machine = cls(group_id, dedup_window_rows=dedup_window_rows, producers_max=producers_max)
+        try:
+            document = json.loads(data)
+            machine._load(document)
+        except (ValueError, TypeError, KeyError, InvalidArgument) as error:
+            raise InvalidArgument("snapshot", f"{type(error).__name__}: {error}") from None
+        return machine
+
+    def _load(self, document: dict[str, Any]) -> None:
+        if document["format"] != SNAPSHOT_FORMAT:
+            raise ValueError(f"format {document['format']!r}; this node reads {SNAPSHOT_FORMAT}")
+        if document["group_id"] != self._group_id:
+            raise ValueError(f"snapshot of group {document['group_id']}, not {self._group_id}")
+        self._lsn_applied = _integer(document["lsn_applied"])
+        for entry in document["tables"]:
+            self._load_table(entry)
+        self._topics = {
+            str(topic): _integer(offset) for topic, offset in document["topics"].items()
+        }
+        self._producers = ProducerWindow.from_json(document["producers"], self._producers_max)
+
+    def _load_table(self, entry: dict[str, Any]) -> None:
+        schema_ipc = base64.b64decode(entry["schema_ipc"], validate=True)
+        key_column = entry["key_column"]
+        meta = TableMeta(
+            table=str(entry["table"]),
+            schema=_read_schema(schema_ipc),
+            schema_ipc=schema_ipc,
+            cache_limit=_integer(entry["cache_limit"]),
+            key_column=None if key_column is None else str(key_column),
+            retention_minutes=_integer(entry["retention_minutes"]),
+            created_lsn=_integer(entry["created_lsn"]),
+        )
+        row_count = _integer(entry["row_count"])
+        if row_count < 0:
+            raise ValueError(f"table {meta.table}: row_count {row_count} < 0")
+        if meta.table in self._tables:
+            raise ValueError(f"table {meta.table} appears twice")
+        key_window = None if meta.key_column is None else KeyWindow(self._dedup_window_rows)
+        pending = key_window is not None and row_count > 0
+        self._tables[meta.table] = _Table(
+            meta, row_count, _integer(entry["lsn_last"]), key_window, pending
+        )
+
+    def key_window_range(self, table: str) -> tuple[int, int] | None:
+        """Rows `[offset_from, offset_to)` whose key column rebuilds the table's key window
+        after a restore; None for a table without a key column. Raises TableNotFound."""
+        state = self._state(table)
+        if state.key_window is None:
+            return None
+        return max(0, state.row_count - self._dedup_window_rows), state.row_count
+
+    def key_windows_pending(self) -> list[str]:
+        """Keyed tables restored with rows whose key window is not rebuilt yet (sorted)."""
+        return sorted(name for name, state in self._tables.items() if state.key_window_pending)
+
+    def rebuild_key_window(self, table: str, keys: pa.Array, first_offset: int) -> None:
+        """Rebuild the key window from the key column of rows
+        `[first_offset, first_offset + len(keys))`, which must end at the table's row count.
+        A later first_offset than `key_window_range` gives (rows lost to retention) gives a
+        smaller window. Raises TableNotFound."""
+        state = self._state(table)
+        assert state.key_window is not None, f"table {table} has no key column"
+        assert first_offset >= 0, first_offset
+        assert first_offset + len(keys) == state.row_count, (first_offset, len(keys))
+        state.key_window.rebuild(keys, first_offset)
+        state.key_window_pending = False
+
+
+def _integer(value: object) -> int:
+    if type(value) is not int:
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value

@@ -1,0 +1,689 @@
+"""One table's data files: segmented, append-only, indexed by row offset.
+
+Layout: `<directory>/seg-<first_offset:020d>.dat`, each a sequence of records in the format of
+`storage/format.py`. A segment is named after the offset of its first row, so the segments
+chain: a segment starts where the previous one ends. Only the last segment (the active one)
+is written; the others are sealed. A new segment starts when a record would push the active
+one past `segment_bytes_max` (a record larger than that gets a segment of its own).
+
+Durability: `append` writes with one `os.writev` and no fsync (the Raft log can redo
+anything lost); `sync` makes everything appended so far durable (the checkpoint path calls
+it before the Raft log is truncated).
+
+Recovery at open: sealed segments have every header checked (header CRC, offset and LSN
+chain); the last segment also has every payload CRC checked. A failing record that is the
+last thing in the last segment is a torn write: it is truncated with a WARNING. Any other
+failure raises CorruptionError; nothing is ever skipped.
+
+Index: in memory, per segment, three parallel arrays (first offset, file position, LSN) of
+its records, rebuilt at open by reading headers only. 24 bytes per record; no per-row work.
+
+Threads: one writer thread calls `append`, `sync`, `truncate_from`, `close` and `destroy`.
+Any number of reader threads call `read` and `record_at`; `remove_segments_before` may run on
+any thread (it never touches the active segment). The index is guarded by a lock, and an
+index entry is published only after its record is completely written, so readers (who
+`os.pread` on a per-segment read fd) never see half a record.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import logging
+import os
+import re
+import shutil
+import threading
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, NamedTuple
+
+from raftstore import limits
+from raftstore.errors import CorruptionError, NodeUnavailable, OffsetOutOfRange
+from raftstore.storage import checkpoint
+from raftstore.storage import format as storage_format
+from raftstore.storage.format import HEADER_SIZE, FormatError, RecordHeader
+
+log = logging.getLogger(__name__)
+
+SEGMENT_NAME_PATTERN: Final = re.compile(r"seg-(\d{20})\.dat")
+# Records handed to a reader per lock acquisition: bounds how long a reader holds the lock.
+_SNAPSHOT_RECORDS_MAX: Final = 1024
+_ZERO_CHECK_CHUNK_BYTES: Final = 1024 * 1024
+
+
+def segment_name(first_offset: int) -> str:
+    return f"seg-{first_offset:020d}.dat"
+
+
+@dataclass(frozen=True, slots=True)
+class DataRecord:
+    """One record: a batch of `row_count` rows at offsets [first_offset, first_offset +
+    row_count), carried by Raft entry `lsn`. `payload` is an Arrow IPC record-batch message,
+    opaque here; records returned by `read` hold a memoryview into their own buffer."""
+
+    lsn: int
+    first_offset: int
+    row_count: int
+    timestamp_ms: int
+    payload: bytes | memoryview
+
+
+class _Entry(NamedTuple):
+    """A reader's copy of one index entry: byte range [position, position + length)."""
+
+    first_offset: int
+    row_count: int
+    position: int
+    length: int
+    lsn: int
+
+
+class _ReadFd:
+    """A read-only fd shared by the readers of one segment. It is never closed explicitly
+    (not by retention, truncation or close): it closes when the last holder lets go of it
+    (CPython frees it at once), so a reader never preads a closed or reused fd number."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "fd", -1)  # Unset if os.open raised.
+        if fd >= 0:
+            os.close(fd)
+
+
+class _Segment:
+    """One segment file and the index of its records. Mutated under the log's lock."""
+
+    __slots__ = (
+        "end_offset",
+        "first_offset",
+        "lsns",
+        "offsets",
+        "path",
+        "positions",
+        "read_fd",
+        "size",
+        "timestamp_ms_max",
+    )
+
+    def __init__(self, path: Path, first_offset: int) -> None:
+        self.path = path
+        self.first_offset = first_offset
+        self.end_offset = first_offset  # Offset after the last row: [first_offset, end_offset).
+        self.size = 0  # Bytes of complete, indexed records.
+        self.timestamp_ms_max: int | None = None
+        self.offsets = array("Q")
+        self.positions = array("Q")
+        self.lsns = array("Q")
+        self.read_fd: _ReadFd | None = None
+
+    @property
+    def lsn_last(self) -> int:
+        return self.lsns[-1] if self.lsns else 0
+
+    @property
+    def row_count(self) -> int:
+        return self.end_offset - self.first_offset
+
+    def add(self, header: RecordHeader, position: int) -> None:
+        assert position == self.size, (position, self.size)
+        assert header.first_offset == self.end_offset, (header.first_offset, self.end_offset)
+        assert header.lsn > self.lsn_last, (header.lsn, self.lsn_last)
+        self.offsets.append(header.first_offset)
+        self.positions.append(position)
+        self.lsns.append(header.lsn)
+        self.end_offset += header.row_count
+        self.size = position + header.record_size
+        if self.timestamp_ms_max is None or header.timestamp_ms > self.timestamp_ms_max:
+            self.timestamp_ms_max = header.timestamp_ms
+
+    def cut(self, index: int) -> None:
+        """Forget records [index, ...). timestamp_ms_max is kept: an overestimate only
+        delays retention."""
+        assert 0 <= index < len(self.offsets), index
+        self.end_offset = self.offsets[index]
+        self.size = self.positions[index]
+        del self.offsets[index:]
+        del self.positions[index:]
+        del self.lsns[index:]
+
+    def entries(self, offset_from: int, offset_to: int) -> list[_Entry]:
+        """Up to _SNAPSHOT_RECORDS_MAX records overlapping [offset_from, offset_to)."""
+        offsets, positions, lsns = self.offsets, self.positions, self.lsns
+        count = len(offsets)
+        first = max(bisect.bisect_right(offsets, offset_from) - 1, 0)
+        last = min(bisect.bisect_left(offsets, offset_to, first), first + _SNAPSHOT_RECORDS_MAX)
+        result = []
+        for i in range(first, last):
+            offset_next = offsets[i + 1] if i + 1 < count else self.end_offset
+            position_next = positions[i + 1] if i + 1 < count else self.size
+            result.append(
+                _Entry(
+                    offsets[i],
+                    offset_next - offsets[i],
+                    positions[i],
+                    position_next - positions[i],
+                    lsns[i],
+                )
+            )
+        return result
+
+
+class _Failure(enum.Enum):
+    HEADER = "header"  # The header is short or fails its checks: its length is unknown.
+    PAST_EOF = "past_eof"  # A valid header whose payload runs past the end of the file.
+    PAYLOAD = "payload"  # A valid header whose payload fails its CRC.
+    CHAIN = "chain"  # A fully valid record whose offset or LSN breaks the chain.
+
+
+@dataclass(frozen=True, slots=True)
+class _ScanFailure:
+    kind: _Failure
+    position: int
+    detail: str
+    record_end: int = 0  # Declared end of the record (PAST_EOF, PAYLOAD).
+
+
+class TableLog:
+    """The segmented data files of one table. See the module docstring for threads."""
+
+    def __init__(
+        self, directory: Path, *, segment_bytes_max: int = limits.SEGMENT_BYTES_MAX
+    ) -> None:
+        """Open (creating if missing) and recover the table's data files. Raises
+        CorruptionError on a failing record other than a torn tail."""
+        assert segment_bytes_max > HEADER_SIZE, segment_bytes_max
+        self._directory = directory
+        self._segment_bytes_max = segment_bytes_max
+        self._lock = threading.Lock()
+        self._segments: list[_Segment] = []  # Oldest first; the last is the active one.
+        self._row_count = 0
+        self._lsn_last = 0
+        self._bytes_total = 0
+        self._truncations = 0  # Bumped by truncate_from: readers' snapshots are stale.
+        self._write_fd = -1  # Active segment, O_APPEND. Writer thread only.
+        self._unsynced_fds: list[int] = []  # Write fds of segments sealed since the last sync.
+        self._dirty = False  # Appended since the last sync.
+        self._directory_dirty = False  # Segment created since the last sync.
+        self._closed = False
+        self._write_error: CorruptionError | None = None  # A failed write that left garbage.
+        _ensure_directory(directory)
+        self._recover()
+        if self._segments:
+            self._write_fd = _open_append(self._segments[-1].path)
+
+    # --- properties (any thread) ---------------------------------------------------------
+
+    @property
+    def directory(self) -> Path:
+        return self._directory
+
+    @property
+    def lsn_last(self) -> int:
+        """LSN of the last record on disk (written, maybe not yet synced); 0 if none."""
+        return self._lsn_last
+
+    @property
+    def row_count(self) -> int:
+        """The next row's offset: rows [0, row_count) were appended over the table's life."""
+        return self._row_count
+
+    @property
+    def earliest_offset(self) -> int:
+        """The first offset still retained (== row_count when no rows are retained)."""
+        with self._lock:
+            return self._earliest_offset_locked()
+
+    @property
+    def bytes_total(self) -> int:
+        return self._bytes_total
+
+    # --- writer thread ---------------------------------------------------------------------
+
+    def append(self, record: DataRecord) -> None:
+        """Write one record after the last (no fsync; see `sync`). Writer thread only.
+        Raises OSError from the disk; the file is then cut back to the last whole record."""
+        assert not self._closed
+        if self._write_error is not None:
+            raise self._write_error
+        assert record.lsn > self._lsn_last, (record.lsn, self._lsn_last)
+        assert record.first_offset == self._row_count, (record.first_offset, self._row_count)
+        assert record.row_count >= 1, record.row_count
+        parts = storage_format.encode_record(
+            record.lsn, record.first_offset, record.row_count, record.timestamp_ms, record.payload
+        )
+        header = storage_format.decode_header(parts[0])
+        active = self._segments[-1] if self._segments else None
+        if active is None or (
+            active.size > 0 and active.size + header.record_size > self._segment_bytes_max
+        ):
+            active = self._roll(record.first_offset)
+        try:
+            _write_all(self._write_fd, parts, header.record_size)
+        except OSError:
+            self._undo_partial_write(active)
+            raise
+        with self._lock:
+            active.add(header, active.size)
+            self._row_count = active.end_offset
+            self._lsn_last = header.lsn
+            self._bytes_total += header.record_size
+        self._dirty = True
+
+    def sync(self) -> None:
+        """Make every record appended so far durable: fsync the segments written since the last
+        sync, and the directory if a segment was created. Writer thread only."""
+        assert not self._closed
+        while self._unsynced_fds:
+            fd = self._unsynced_fds[0]
+            os.fsync(fd)
+            self._unsynced_fds.pop(0)
+            os.close(fd)
+        if self._dirty:
+            os.fsync(self._write_fd)
+            self._dirty = False
+        if self._directory_dirty:
+            checkpoint.fsync_dir(self._directory)
+            self._directory_dirty = False
+
+    def truncate_from(self, offset: int) -> None:
+        """Drop every record whose first_offset >= offset (repair), durably: later segments are
+        deleted newest first, then the segment holding the cut is truncated and fsynced, so a
+        crash midway leaves a consistent (longer) prefix. Writer thread only. Readers running
+        at the same time stop early."""
+        assert not self._closed
+        assert offset >= 0, offset
+        self.sync()
+        with self._lock:
+            removed, cut = self._cut_index(offset)
+            if not removed and cut is None:
+                return
+            self._truncations += 1
+            self._refresh_totals_locked()
+        os.close(self._write_fd)
+        self._write_fd = -1
+        for segment in reversed(removed):
+            segment.path.unlink()
+        if removed:
+            checkpoint.fsync_dir(self._directory)
+        if cut is not None:
+            _truncate_file(cut.path, cut.size)
+        if self._segments:
+            self._write_fd = _open_append(self._segments[-1].path)
+        log.warning(
+            "truncated table log directory=%s offset=%d row_count=%d lsn_last=%d",
+            self._directory,
+            offset,
+            self._row_count,
+            self._lsn_last,
+        )
+
+    def close(self) -> None:
+        """Close the write fds (no fsync: call `sync` first to keep unsynced appends). Readers
+        already iterating finish their current batch of records on their own fds; later
+        reads raise NodeUnavailable. Writer thread only. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for fd in self._unsynced_fds:
+            os.close(fd)
+        self._unsynced_fds.clear()
+        if self._write_fd >= 0:
+            os.close(self._write_fd)
+            self._write_fd = -1
+        with self._lock:
+            for segment in self._segments:
+                segment.read_fd = None  # Closed when the last reader lets go (_ReadFd).
+
+    def destroy(self) -> None:
+        """Close and delete the table's directory (durably)."""
+        self.close()
+        shutil.rmtree(self._directory)
+        checkpoint.fsync_dir(self._directory.parent)
+
+    # --- any thread ------------------------------------------------------------------------
+
+    def read(self, offset_from: int, offset_to: int | None = None) -> Iterator[DataRecord]:
+        """The records overlapping [offset_from, offset_to), in order; offset_to None means up
+        to row_count as of this call. The first record may start before offset_from (callers
+        slice rows). Any thread.
+
+        Raises OffsetOutOfRange now if offset_from is outside [earliest_offset, row_count].
+        While iterating, raises CorruptionError(path, position, detail) for a record failing
+        its checks, and OffsetOutOfRange if retention removes the rows before they are read.
+        A concurrent `truncate_from` ends the iteration early.
+        """
+        with self._lock:
+            earliest = self._earliest_offset_locked()
+            latest = self._row_count
+            truncations = self._truncations
+        if offset_from < earliest or offset_from > latest:
+            raise OffsetOutOfRange(self._directory.name, offset_from, earliest, latest)
+        offset_end = latest if offset_to is None else min(offset_to, latest)
+        return self._iter_records(offset_from, offset_end, truncations)
+
+    def record_at(self, offset: int) -> DataRecord:
+        """The record holding row `offset`. Raises OffsetOutOfRange, CorruptionError."""
+        for record in self.read(offset, offset + 1):
+            return record
+        raise OffsetOutOfRange(self._directory.name, offset, self.earliest_offset, self._row_count)
+
+    def remove_segments_before(self, timestamp_ms: int, *, keep_rows: int) -> int:
+        """Retention: delete sealed segments, oldest first, while the segment's newest record
+        is older than timestamp_ms and it holds none of the last keep_rows rows (nor the last
+        record). Returns the number of rows removed; earliest_offset moves up by that much."""
+        assert keep_rows >= 0, keep_rows
+        removed: list[_Segment] = []
+        with self._lock:
+            keep_from = self._row_count - keep_rows
+            while len(self._segments) > 1:
+                segment = self._segments[0]
+                if (
+                    segment.timestamp_ms_max is None
+                    or segment.timestamp_ms_max >= timestamp_ms
+                    or segment.end_offset > keep_from
+                    or segment.end_offset >= self._row_count
+                ):
+                    break
+                self._segments.pop(0)
+                self._bytes_total -= segment.size
+                removed.append(segment)
+        if not removed:
+            return 0
+        for segment in removed:
+            segment.path.unlink()
+        checkpoint.fsync_dir(self._directory)
+        rows_removed = sum(segment.row_count for segment in removed)
+        log.info(
+            "removed segments directory=%s segments=%d rows=%d earliest_offset=%d",
+            self._directory,
+            len(removed),
+            rows_removed,
+            removed[-1].end_offset,
+        )
+        return rows_removed
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _earliest_offset_locked(self) -> int:
+        return self._segments[0].first_offset if self._segments else self._row_count
+
+    def _refresh_totals_locked(self) -> None:
+        self._bytes_total = sum(segment.size for segment in self._segments)
+        self._row_count = self._segments[-1].end_offset if self._segments else 0
+        self._lsn_last = max((segment.lsn_last for segment in self._segments), default=0)
+
+    def _roll(self, first_offset: int) -> _Segment:
+        """Start a new active segment whose first record will be at first_offset."""
+        path = self._directory / segment_name(first_offset)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o644)
+        if self._write_fd >= 0:
+            self._unsynced_fds.append(self._write_fd)
+        self._write_fd = fd
+        self._directory_dirty = True
+        segment = _Segment(path, first_offset)
+        with self._lock:
+            self._segments.append(segment)
+        log.debug("new segment path=%s", path)
+        return segment
+
+    def _undo_partial_write(self, active: _Segment) -> None:
+        """Cut a failed write back to the last whole record, so later appends cannot land
+        after garbage. If even that fails the table cannot be written any more."""
+        try:
+            os.ftruncate(self._write_fd, active.size)
+        except OSError as error:
+            self._write_error = CorruptionError(
+                str(active.path), active.size, f"cannot remove a partial write: {error}"
+            )
+            raise self._write_error from error
+
+    def _cut_index(self, offset: int) -> tuple[list[_Segment], _Segment | None]:
+        """Drop index entries with first_offset >= offset: (segments removed entirely, the
+        segment cut inside or None). Keeps the invariant that only a sole segment is empty."""
+        segments = self._segments
+        index = max(bisect.bisect_right(segments, offset, key=_first_offset) - 1, 0)
+        while index < len(segments):
+            record_index = bisect.bisect_left(segments[index].offsets, offset)
+            if record_index < len(segments[index].offsets):
+                break
+            index += 1
+        else:
+            return [], None
+        cut: _Segment | None = segments[index]
+        assert cut is not None
+        cut.cut(record_index)
+        removed = segments[index + 1 :]
+        del segments[index + 1 :]
+        if cut.size == 0 and index > 0:
+            removed.insert(0, segments.pop())
+            cut = None
+        return removed, cut
+
+    def _iter_records(self, offset: int, offset_end: int, truncations: int) -> Iterator[DataRecord]:
+        while offset < offset_end:
+            snapshot = self._snapshot(offset, offset_end, truncations)
+            if snapshot is None:
+                return
+            segment, read_fd, entries = snapshot
+            for entry in entries:
+                record = self._read_entry(segment, read_fd, entry, truncations)
+                if record is None:
+                    return
+                yield record
+            offset = entries[-1].first_offset + entries[-1].row_count
+
+    def _snapshot(
+        self, offset: int, offset_end: int, truncations: int
+    ) -> tuple[_Segment, _ReadFd, list[_Entry]] | None:
+        """The next index entries to read from `offset`, or None if the log was truncated."""
+        with self._lock:
+            if self._closed:
+                raise NodeUnavailable(f"data files of table {self._directory.name} are closed")
+            if self._truncations != truncations:
+                return None
+            earliest = self._earliest_offset_locked()
+            if offset < earliest:
+                raise OffsetOutOfRange(self._directory.name, offset, earliest, self._row_count)
+            index = bisect.bisect_right(self._segments, offset, key=_first_offset) - 1
+            segment = self._segments[index]
+            entries = segment.entries(offset, offset_end)
+            assert entries, (offset, offset_end, segment.path)
+            if segment.read_fd is None:
+                segment.read_fd = _ReadFd(segment.path)
+            return segment, segment.read_fd, entries
+
+    def _read_entry(
+        self, segment: _Segment, read_fd: _ReadFd, entry: _Entry, truncations: int
+    ) -> DataRecord | None:
+        """Read and check one record (pair assertion: it must match its index entry)."""
+        data = os.pread(read_fd.fd, entry.length, entry.position)
+        view = memoryview(data)
+        try:
+            header = storage_format.decode_header(view)
+            if (header.first_offset, header.row_count, header.lsn, header.record_size) != (
+                entry.first_offset,
+                entry.row_count,
+                entry.lsn,
+                entry.length,
+            ):
+                raise FormatError(f"header {header} does not match the index entry {entry}")
+            storage_format.check_payload(header, view[HEADER_SIZE:])
+        except FormatError as error:
+            with self._lock:
+                if self._truncations != truncations:
+                    return None
+            raise CorruptionError(str(segment.path), entry.position, error.detail) from error
+        return DataRecord(
+            header.lsn,
+            header.first_offset,
+            header.row_count,
+            header.timestamp_ms,
+            view[HEADER_SIZE:],
+        )
+
+    # --- recovery ------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Rebuild the index from the files; cut a torn tail; raise on anything else."""
+        found = sorted(
+            (int(match.group(1)), self._directory / name)
+            for name in os.listdir(self._directory)
+            if (match := SEGMENT_NAME_PATTERN.fullmatch(name))
+        )
+        lsn_prev = 0
+        for i, (first_offset, path) in enumerate(found):
+            if self._segments and first_offset != self._segments[-1].end_offset:
+                raise CorruptionError(
+                    str(path),
+                    0,
+                    f"segment starts at offset {first_offset} but the previous one ends at "
+                    f"{self._segments[-1].end_offset}",
+                )
+            segment = _Segment(path, first_offset)
+            if i == len(found) - 1:
+                _recover_last(segment, lsn_prev)
+            else:
+                _recover_sealed(segment, lsn_prev)
+            lsn_prev = segment.lsn_last or lsn_prev
+            self._segments.append(segment)
+        if len(self._segments) > 1 and self._segments[-1].size == 0:
+            # A roll that crashed before its first record: the previous segment is the active
+            # one again, so that the last segment always holds the last record.
+            empty = self._segments.pop()
+            empty.path.unlink()
+            checkpoint.fsync_dir(self._directory)
+            log.info("removed empty last segment path=%s", empty.path)
+        if self._segments:
+            self._refresh_totals_locked()
+
+
+def _first_offset(segment: _Segment) -> int:
+    return segment.first_offset
+
+
+def _recover_sealed(segment: _Segment, lsn_prev: int) -> None:
+    fd = os.open(segment.path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        file_size = os.fstat(fd).st_size
+        failure = _scan(segment, fd, file_size, lsn_prev, verify_payloads=False)
+    finally:
+        os.close(fd)
+    if failure is not None:
+        raise CorruptionError(str(segment.path), failure.position, failure.detail)
+    if file_size == 0:
+        raise CorruptionError(str(segment.path), 0, "sealed segment is empty")
+
+
+def _recover_last(segment: _Segment, lsn_prev: int) -> None:
+    fd = os.open(segment.path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        file_size = os.fstat(fd).st_size
+        failure = _scan(segment, fd, file_size, lsn_prev, verify_payloads=True)
+        if failure is None:
+            return
+        if not _is_torn_tail(fd, file_size, failure):
+            raise CorruptionError(str(segment.path), failure.position, failure.detail)
+        log.warning(
+            "truncated torn tail path=%s position=%d detail=%s",
+            segment.path,
+            failure.position,
+            failure.detail,
+        )
+        os.ftruncate(fd, failure.position)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _scan(
+    segment: _Segment, fd: int, file_size: int, lsn_prev: int, *, verify_payloads: bool
+) -> _ScanFailure | None:
+    """Index every valid record of the file, in order; the first failure stops the scan."""
+    position = 0
+    while position < file_size:
+        try:
+            header = storage_format.decode_header(os.pread(fd, HEADER_SIZE, position))
+        except FormatError as error:
+            return _ScanFailure(_Failure.HEADER, position, error.detail)
+        record_end = position + header.record_size
+        if record_end > file_size:
+            detail = f"record of {header.record_size} bytes runs past the end ({file_size})"
+            return _ScanFailure(_Failure.PAST_EOF, position, detail, record_end)
+        if verify_payloads:
+            payload = os.pread(fd, header.payload_len, position + HEADER_SIZE)
+            try:
+                storage_format.check_payload(header, payload)
+            except FormatError as error:
+                return _ScanFailure(_Failure.PAYLOAD, position, error.detail, record_end)
+        if header.first_offset != segment.end_offset:
+            detail = f"record first_offset {header.first_offset} != {segment.end_offset}"
+            return _ScanFailure(_Failure.CHAIN, position, detail)
+        if header.lsn <= max(lsn_prev, segment.lsn_last):
+            detail = f"record lsn {header.lsn} <= previous {max(lsn_prev, segment.lsn_last)}"
+            return _ScanFailure(_Failure.CHAIN, position, detail)
+        segment.add(header, position)
+        position = record_end
+    return None
+
+
+def _is_torn_tail(fd: int, file_size: int, failure: _ScanFailure) -> bool:
+    """Whether a failing record can only be an interrupted append: nothing that could be a
+    record follows it. A record that checks out but breaks the chain never is."""
+    if failure.kind is _Failure.PAST_EOF:
+        return True
+    if failure.kind is _Failure.HEADER:
+        # The length is untrusted; torn only if every byte after the header slot is zero.
+        return _all_zero(fd, failure.position + HEADER_SIZE, file_size)
+    if failure.kind is _Failure.PAYLOAD:
+        return file_size - failure.record_end < HEADER_SIZE or _all_zero(
+            fd, failure.record_end, file_size
+        )
+    return False
+
+
+def _all_zero(fd: int, start: int, end: int) -> bool:
+    position = start
+    while position < end:
+        chunk = os.pread(fd, min(_ZERO_CHECK_CHUNK_BYTES, end - position), position)
+        if not chunk or chunk.count(0) != len(chunk):
+            return False
+        position += len(chunk)
+    return True
+
+
+def _ensure_directory(directory: Path) -> None:
+    if directory.is_dir():
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    checkpoint.fsync_dir(directory.parent)
+
+
+def _open_append(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+
+
+def _truncate_file(path: Path, size: int) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, parts: list[bytes | memoryview], size: int) -> None:
+    """One writev; a short write (rare on regular files) is finished with plain writes."""
+    written = os.writev(fd, parts)
+    if written == size:
+        return
+    rest = memoryview(b"".join(parts))[written:]
+    while rest:
+        rest = rest[os.write(fd, rest) :]

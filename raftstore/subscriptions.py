@@ -1,0 +1,65 @@
+"""Serving a subscription: where it starts, and following the table as rows arrive.
+
+A subscription is served by the group's leader only. It ends (with NotLeader) as soon as
+the node loses leadership, so the subscriber reconnects to the new leader and resumes from
+its last processed offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Final
+
+from raftstore import limits
+from raftstore.errors import NotLeader, OffsetOutOfRange, TableNotFound
+from raftstore.group import Group
+from raftstore.model import OFFSET_EARLIEST, OFFSET_LATEST, OFFSET_PERSISTED, topic_name
+from raftstore.tables import RowSlice, TableStore
+
+# How long a subscription waits for new rows before it re-checks leadership and liveness.
+_WAIT_S: Final = 0.25
+
+
+def resolve_start(group: Group, store: TableStore, action_name: str, offset: int) -> int:
+    """The first offset to send. -2 with no persisted offset starts at the earliest retained
+    row (the subscriber has never committed, so it has processed nothing)."""
+    table = store.meta.table
+    if offset == OFFSET_LATEST:
+        return store.row_count
+    if offset == OFFSET_EARLIEST:
+        return store.earliest_offset
+    if offset == OFFSET_PERSISTED:
+        persisted = group.topic_offset(topic_name(table, action_name))
+        start = store.earliest_offset if persisted is None else persisted + 1
+        return max(start, store.earliest_offset)
+    if offset < 0 or offset < store.earliest_offset or offset > store.row_count:
+        raise OffsetOutOfRange(table, offset, store.earliest_offset, store.row_count)
+    return offset
+
+
+def follow(
+    group: Group,
+    store: TableStore,
+    position: int,
+    rows_max: int,
+    is_active: Callable[[], bool],
+) -> Iterator[list[RowSlice]]:
+    """Yield lists of row slices from `position` on, waiting for new rows, until the client
+    goes away. Raises NotLeader when leadership is lost, TableNotFound when dropped."""
+    rows_max = min(rows_max or limits.SUBSCRIBE_BATCH_ROWS_MAX, limits.SUBSCRIBE_BATCH_ROWS_MAX)
+    epoch = group.epoch
+    while is_active():
+        if group.epoch != epoch or not group.replica.is_leader():
+            leader = group.leader()
+            raise NotLeader(None if leader is None else str(leader), group.group_id)
+        if store.closed:
+            raise TableNotFound(store.meta.table)
+        slices = store.read(position, store.row_count, rows_max)
+        if slices:
+            last = slices[-1]
+            position = last.first_offset + last.batch.num_rows
+            yield slices
+            continue
+        with store.changed:
+            if store.row_count <= position and not store.closed and group.epoch == epoch:
+                store.changed.wait(_WAIT_S)

@@ -1,0 +1,223 @@
+"""commands.py: the versioned binary encoding of the Raft log entries."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from raftstore import commands
+from raftstore.commands import (
+    APPEND_OVERHEAD_BYTES,
+    Append,
+    AppendItem,
+    Command,
+    CommitOffset,
+    CreateTable,
+    DropTable,
+    Kind,
+    Noop,
+    RemoveOffset,
+    decode,
+    encode,
+    encoded_item_bytes,
+)
+from raftstore.errors import InvalidArgument
+
+PRODUCER = bytes(range(16))
+
+EXAMPLES: list[Command] = [
+    CreateTable("trades", b"\x01schema\x00", 1000, "id", 1440),
+    CreateTable("quotes", b"", 1, None, 1),
+    CreateTable("t\u00e9", b"s" * 300, -5, "", -(2**63)),
+    DropTable("trades", force=False),
+    DropTable("trades", force=True),
+    Append(1_700_000_000_000, ()),
+    Append(
+        -1,
+        (
+            AppendItem("trades", PRODUCER, 7, b"payload-1"),
+            AppendItem("quotes", b"", 0, b""),
+            AppendItem("trades", PRODUCER, 2**64 - 1, bytes(range(256)) * 3),
+        ),
+    ),
+    CommitOffset("trades/action", 42),
+    CommitOffset("trades/action", -1),
+    RemoveOffset("trades/action"),
+    Noop(),
+]
+
+texts = st.text(max_size=12)
+i64 = st.integers(-(2**63), 2**63 - 1)
+items = st.builds(
+    AppendItem,
+    table=texts,
+    producer_id=st.one_of(st.just(b""), st.binary(min_size=16, max_size=16)),
+    sequence=st.integers(0, 2**64 - 1),
+    payload=st.binary(max_size=64),
+)
+command_strategy: st.SearchStrategy[Command] = st.one_of(
+    st.builds(
+        CreateTable,
+        table=texts,
+        schema_ipc=st.binary(max_size=64),
+        cache_limit=i64,
+        key_column=st.none() | texts,
+        retention_minutes=i64,
+    ),
+    st.builds(DropTable, table=texts, force=st.booleans()),
+    st.builds(Append, timestamp_ms=i64, items=st.lists(items, max_size=4).map(tuple)),
+    st.builds(CommitOffset, topic=texts, offset=i64),
+    st.builds(RemoveOffset, topic=texts),
+    st.just(Noop()),
+)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("command", EXAMPLES, ids=lambda command: type(command).__name__)
+def test_every_kind_round_trips(command: Command) -> None:
+    data = encode(command)
+    assert data[0] == commands.VERSION
+    assert decode(data) == command
+    assert encode(decode(data)) == data
+
+
+@pytest.mark.property
+@given(command_strategy)
+def test_generated_commands_round_trip(command: Command) -> None:
+    data = encode(command)
+    assert decode(data) == command
+    assert decode(memoryview(data)) == command
+    assert encode(decode(data)) == data
+
+
+@pytest.mark.unit
+def test_decoded_payload_is_a_zero_copy_view_of_the_entry() -> None:
+    data = encode(Append(5, (AppendItem("t", b"", 0, b"abcdef"),)))
+    command = decode(data)
+    assert isinstance(command, Append)
+    payload = command.items[0].payload
+    assert isinstance(payload, memoryview)
+    assert payload.obj is data
+    assert bytes(payload) == b"abcdef"
+
+
+@pytest.mark.unit
+def test_encode_accepts_memoryview_payloads() -> None:
+    payload = memoryview(b"xxpayloadxx")[2:-2]
+    data = encode(Append(5, (AppendItem("t", b"", 0, payload),)))
+    assert decode(data) == Append(5, (AppendItem("t", b"", 0, b"payload"),))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("command", EXAMPLES, ids=lambda command: type(command).__name__)
+def test_every_truncation_raises_invalid_argument(command: Command) -> None:
+    data = encode(command)
+    for size in range(len(data)):
+        with pytest.raises(InvalidArgument) as raised:
+            decode(data[:size])
+        assert raised.value.argument == "command"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("command", EXAMPLES, ids=lambda command: type(command).__name__)
+def test_trailing_bytes_raise_invalid_argument(command: Command) -> None:
+    with pytest.raises(InvalidArgument, match="trailing"):
+        decode(encode(command) + b"\x00")
+
+
+@pytest.mark.unit
+def test_unknown_version_raises_invalid_argument() -> None:
+    data = bytearray(encode(Noop()))
+    data[0] = 2
+    with pytest.raises(InvalidArgument, match="version 2"):
+        decode(bytes(data))
+
+
+@pytest.mark.unit
+def test_unknown_kind_raises_invalid_argument() -> None:
+    with pytest.raises(InvalidArgument, match="kind 99"):
+        decode(bytes([commands.VERSION, 99]))
+
+
+@pytest.mark.unit
+def test_bad_utf8_raises_invalid_argument() -> None:
+    data = bytes([commands.VERSION, Kind.REMOVE_OFFSET, 2, 0, 0xFF, 0xFE])
+    with pytest.raises(InvalidArgument, match="UTF-8"):
+        decode(data)
+
+
+@pytest.mark.unit
+def test_bad_producer_id_length_raises_invalid_argument() -> None:
+    data = bytearray(encode(Append(0, (AppendItem("t", PRODUCER, 1, b"p"),))))
+    position = APPEND_OVERHEAD_BYTES + 2 + 1  # table length + "t"
+    assert data[position] == 16
+    data[position] = 15
+    with pytest.raises(InvalidArgument, match="producer_id"):
+        decode(bytes(data))
+
+
+@pytest.mark.unit
+def test_non_canonical_flag_raises_invalid_argument() -> None:
+    data = bytearray(encode(DropTable("t", force=True)))
+    data[-1] = 2
+    with pytest.raises(InvalidArgument, match="force"):
+        decode(bytes(data))
+
+
+@pytest.mark.property
+@given(st.binary(max_size=200))
+@example(b"")
+@example(bytes([commands.VERSION]))
+@example(bytes([commands.VERSION, Kind.APPEND]) + b"\x00" * 8 + b"\xff\xff\xff\xff")
+def test_garbage_either_decodes_canonically_or_raises_invalid_argument(data: bytes) -> None:
+    try:
+        command = decode(data)
+    except InvalidArgument as error:
+        assert error.argument == "command"
+    else:
+        assert encode(command) == data
+
+
+@pytest.mark.property
+@given(st.sampled_from(list(Kind)), st.binary(max_size=80))
+def test_garbage_bodies_of_every_kind_raise_only_invalid_argument(kind: Kind, body: bytes) -> None:
+    data = bytes([commands.VERSION, kind]) + body
+    try:
+        command = decode(data)
+    except InvalidArgument:
+        return
+    assert encode(command) == data
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "command",
+    [
+        RemoveOffset("x" * 70_000),
+        Append(0, (AppendItem("t", b"short", 1, b""),)),
+        Append(0, (AppendItem("t", b"", -1, b""),)),
+        Append(2**63, ()),
+        CommitOffset("t/a", -(2**63) - 1),
+        RemoveOffset("\ud800"),
+    ],
+    ids=["long-string", "producer-id", "sequence", "timestamp", "offset", "surrogate"],
+)
+def test_encode_refuses_values_the_format_cannot_hold(command: Command) -> None:
+    with pytest.raises(InvalidArgument):
+        encode(command)
+
+
+@pytest.mark.property
+@given(items)
+def test_encoded_item_bytes_is_the_exact_size_an_item_adds(item: AppendItem) -> None:
+    assert len(encode(Append(0, (item,)))) == APPEND_OVERHEAD_BYTES + encoded_item_bytes(item)
+
+
+@pytest.mark.unit
+def test_large_payloads_encode_and_decode() -> None:
+    payload = bytes(range(256)) * 40_000  # ~10 MiB
+    data = encode(Append(0, (AppendItem("t", PRODUCER, 1, payload), AppendItem("u", b"", 0, b""))))
+    command = decode(data)
+    assert isinstance(command, Append)
+    assert command.items[0].payload == payload

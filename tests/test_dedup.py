@@ -1,0 +1,264 @@
+"""dedup.py: the key window (last N rows' keys) and the producer window."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from raftstore.dedup import KeyWindow, ProducerRecord, ProducerWindow
+
+
+def _keep(window: KeyWindow, keys: list[Any], key_type: pa.DataType = pa.int64()) -> list[bool]:
+    """filter + add, the way the state machine uses the window; returns the mask."""
+    array = pa.array(keys, type=key_type)
+    mask = window.filter(array, window.offset_to)
+    window.add(array.filter(mask), window.offset_to)
+    result: list[bool] = mask.to_pylist()
+    return result
+
+
+# --- KeyWindow -------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_new_keys_are_kept_and_known_keys_dropped() -> None:
+    window = KeyWindow(10)
+    assert _keep(window, [1, 2, 3]) == [True, True, True]
+    assert _keep(window, [3, 4, 1]) == [False, True, False]
+    assert window.offset_to == 4
+    assert window.entries() == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+@pytest.mark.unit
+def test_duplicates_within_a_batch_keep_the_first() -> None:
+    window = KeyWindow(10)
+    assert _keep(window, [5, 5, 6, 5, 6]) == [True, False, True, False, False]
+    assert window.entries() == [(0, 5), (1, 6)]
+
+
+@pytest.mark.unit
+def test_null_is_a_key_like_any_other() -> None:
+    window = KeyWindow(10)
+    assert _keep(window, [None, 1, None]) == [True, True, False]
+    assert _keep(window, [None, 2]) == [False, True]
+
+
+@pytest.mark.unit
+def test_every_nan_is_one_key() -> None:
+    window = KeyWindow(10)
+    nan = float("nan")
+    assert _keep(window, [nan, 1.0, nan], pa.float64()) == [True, True, False]
+    assert _keep(window, [nan], pa.float64()) == [False]
+
+
+@pytest.mark.unit
+def test_string_dictionary_and_timestamp_keys() -> None:
+    window = KeyWindow(10)
+    assert _keep(window, ["a", "b", "a"], pa.string()) == [True, True, False]
+    dictionary = pa.array(["b", "c"]).dictionary_encode()
+    mask = window.filter(dictionary, window.offset_to)
+    assert mask.to_pylist() == [False, True]
+    far_future = KeyWindow(10)  # beyond year 9999: no Python datetime, still a key
+    assert _keep(far_future, [2**62, 2**62, 0], pa.timestamp("ms")) == [True, False, True]
+
+
+@pytest.mark.unit
+def test_chunked_keys_are_accepted() -> None:
+    window = KeyWindow(10)
+    keys = pa.chunked_array([[1, 2], [2, 3]])
+    assert window.filter(keys, 0).to_pylist() == [True, True, False, True]
+
+
+@pytest.mark.unit
+def test_eviction_boundary_is_exactly_window_rows() -> None:
+    window = KeyWindow(3)
+    assert _keep(window, [1, 2, 3]) == [True, True, True]
+    assert window.offset_from == 0
+    assert _keep(window, [4]) == [True]  # rows 0..3; the window is rows [1, 4)
+    assert (window.offset_from, window.offset_to) == (1, 4)
+    assert window.filter(pa.array([1, 2]), 4).to_pylist() == [True, False]
+    assert len(window) == 3
+
+
+@pytest.mark.unit
+def test_window_does_not_slide_within_a_batch() -> None:
+    window = KeyWindow(2)
+    _keep(window, [1, 2])
+    # 1 is among the last 2 rows before the batch, so it is dropped even though two new
+    # rows come before it in the batch.
+    assert _keep(window, [3, 4, 1]) == [True, True, False]
+
+
+@pytest.mark.unit
+def test_batch_larger_than_the_window_keeps_only_its_last_rows() -> None:
+    window = KeyWindow(2)
+    assert _keep(window, [1, 2, 3, 4]) == [True] * 4
+    assert window.entries() == [(2, 3), (3, 4)]
+    assert _keep(window, [1, 2, 3]) == [True, True, False]
+
+
+@pytest.mark.unit
+def test_filter_is_pure() -> None:
+    window = KeyWindow(5)
+    _keep(window, [1])
+    window.filter(pa.array([2, 3]), 1)
+    assert window.entries() == [(0, 1)]
+    assert window.offset_to == 1
+
+
+@pytest.mark.unit
+def test_rebuild_keeps_only_the_last_window_rows() -> None:
+    window = KeyWindow(3)
+    window.rebuild(pa.array([1, 2, 3, 4, 5]), 10)
+    assert window.entries() == [(12, 3), (13, 4), (14, 5)]
+    assert window.offset_to == 15
+    assert window.filter(pa.array([2, 3]), 15).to_pylist() == [True, False]
+
+
+@pytest.mark.unit
+def test_rebuild_with_repeated_keys_keeps_the_latest_occurrence() -> None:
+    # Repeats only happen after the window grew; the key stays until its last row leaves.
+    window = KeyWindow(3)
+    window.rebuild(pa.array([7, 8, 7]), 0)
+    _keep(window, [9])  # evicts row 0 (7); 7 is still at row 2
+    assert 7 in window
+    _keep(window, [10])  # evicts row 1 (8)
+    assert 8 not in window
+    _keep(window, [11])  # evicts row 2 (7)
+    assert 7 not in window
+
+
+@pytest.mark.unit
+def test_offsets_must_be_contiguous() -> None:
+    window = KeyWindow(3)
+    _keep(window, [1])
+    with pytest.raises(AssertionError):
+        window.filter(pa.array([2]), 5)
+    with pytest.raises(AssertionError):
+        window.add(pa.array([2]), 0)
+
+
+@pytest.mark.property
+@given(
+    window_rows=st.integers(1, 8),
+    batches=st.lists(st.lists(st.none() | st.integers(0, 12), max_size=6), max_size=12),
+)
+def test_incremental_window_matches_model_and_rebuild(
+    window_rows: int, batches: list[list[int | None]]
+) -> None:
+    window = KeyWindow(window_rows)
+    rows: list[int | None] = []  # The table: kept keys in offset order.
+    for batch in batches:
+        recent = set(rows[-window_rows:]) if rows else set()
+        expected: list[bool] = []
+        seen: set[int | None] = set()
+        for key in batch:
+            expected.append(key not in recent and key not in seen)
+            seen.add(key)
+        assert _keep(window, batch) == expected
+        rows.extend(key for key, keep in zip(batch, expected, strict=True) if keep)
+        assert window.offset_to == len(rows)
+        assert window.offset_from == max(0, len(rows) - window_rows)
+
+    first_offset = max(0, len(rows) - window_rows)
+    rebuilt = KeyWindow(window_rows)
+    rebuilt.rebuild(pa.array(rows[first_offset:], type=pa.int64()), first_offset)
+    assert rebuilt.entries() == window.entries()
+    whole = KeyWindow(window_rows)
+    whole.rebuild(pa.array(rows, type=pa.int64()), 0)
+    assert whole.entries() == window.entries()
+    probe = [None, *range(13)]
+    assert _keep(rebuilt, probe) == _keep(window, probe)
+    assert rebuilt.entries() == window.entries()
+
+
+# --- ProducerWindow --------------------------------------------------------------------
+
+P1, P2, P3 = (bytes([n]) * 16 for n in (1, 2, 3))
+
+
+def _record(sequence: int, first_offset: int = 0) -> ProducerRecord:
+    return ProducerRecord(sequence, first_offset, row_count=2, duplicates=1)
+
+
+@pytest.mark.unit
+def test_unknown_producer_and_newer_sequences_are_not_duplicates() -> None:
+    window = ProducerWindow(10)
+    assert window.check(P1, 0) is None
+    window.record(P1, _record(5))
+    assert window.check(P1, 6) is None
+
+
+@pytest.mark.unit
+def test_retry_of_the_last_sequence_returns_its_record() -> None:
+    window = ProducerWindow(10)
+    window.record(P1, _record(5, first_offset=40))
+    assert window.check(P1, 5) == _record(5, first_offset=40)
+
+
+@pytest.mark.unit
+def test_older_sequence_returns_the_last_record() -> None:
+    window = ProducerWindow(10)
+    window.record(P1, _record(4, first_offset=10))
+    window.record(P1, _record(5, first_offset=40))
+    assert window.check(P1, 2) == _record(5, first_offset=40)
+
+
+@pytest.mark.unit
+def test_least_recently_written_producer_is_evicted() -> None:
+    window = ProducerWindow(2)
+    window.record(P1, _record(1))
+    window.record(P2, _record(1))
+    window.check(P1, 1)  # a read is not a write
+    window.record(P1, _record(2))
+    window.record(P3, _record(1))
+    assert P2 not in window
+    assert P1 in window
+    assert P3 in window
+    assert len(window) == 2
+
+
+@pytest.mark.unit
+def test_sequences_only_grow() -> None:
+    window = ProducerWindow(2)
+    window.record(P1, _record(3))
+    with pytest.raises(AssertionError):
+        window.record(P1, _record(3))
+
+
+@pytest.mark.unit
+def test_json_round_trip_keeps_records_and_eviction_order() -> None:
+    window = ProducerWindow(3)
+    window.record(P2, _record(1))
+    window.record(P1, _record(7, first_offset=3))
+    window.record(P3, _record(2))
+    data = json.loads(json.dumps(window.to_json()))
+    assert data[0][0] == P2.hex()
+    restored = ProducerWindow.from_json(data, 3)
+    assert restored.to_json() == window.to_json()
+    for producers in (window, restored):
+        producers.record(bytes([9]) * 16, _record(1))
+    assert restored.to_json() == window.to_json()
+    assert P2 not in restored
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "data",
+    [
+        [["zz", 1, 0, 0, 0]],
+        [["01", 1, 0, 0, 0]],
+        [[P1.hex(), "1", 0, 0, 0]],
+        [[P1.hex(), 1, 0, 0]],
+        [[P1.hex(), 1, 0, 0, 0], [P1.hex(), 2, 0, 0, 0]],
+    ],
+    ids=["hex", "length", "type", "fields", "twice"],
+)
+def test_malformed_json_raises(data: list[list[Any]]) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        ProducerWindow.from_json(data, 10)
