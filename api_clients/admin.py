@@ -111,7 +111,7 @@ def json_document(message: hastream_pb2.JsonDocument) -> dict[str, Any]:
 
 def topic_table(topic: str) -> str:
     """The table part of a topic `table/actionName`."""
-    table, separator, action_name = topic.partition("/")
+    table, separator, action_name = topic.rpartition("/")  # As the server splits it.
     if not separator or not table or not action_name:
         raise InvalidArgument("topic", f"{topic!r} is not 'table/actionName'")
     return table

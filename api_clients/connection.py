@@ -45,6 +45,19 @@ DEADLINE_S_DEFAULT: Final = 30.0
 ATTEMPT_TIMEOUT_S_DEFAULT: Final = limits.PROPOSAL_TIMEOUT_S + 5.0
 SITES_MAX: Final = 64
 
+# Calls only a group's leader answers: the site that answers one of these for a table is
+# remembered as the table's (and its group's) leader. Other calls may be served by any node.
+LEADER_METHODS: Final = frozenset(
+    {
+        "Publish",
+        "Subscribe",
+        "CommitOffset",
+        "HaStreamTable",
+        "DropStreamTable",
+        "RemoveTopicOffset",
+    }
+)
+
 # Transport failures after which another site may answer.
 _RETRYABLE_CODES: Final = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -84,7 +97,7 @@ def rebuild_error(rpc_error: grpc.RpcError, site: str) -> RaftStoreError | None:
     if typed is not None:
         return typed
     code = call.code() if hasattr(call, "code") else None
-    if code in _RETRYABLE_CODES:
+    if code is not None and code in _RETRYABLE_CODES:
         details = call.details() if hasattr(call, "details") else ""
         return NodeUnavailable(f"{site}: {code.name}: {details}")
     return None
@@ -231,6 +244,10 @@ class Session:
             if group is not None and group != LOCAL_GROUP:
                 self._group_leaders[group] = site
 
+    def _remember_alive(self, site: str) -> None:
+        with self._lock:
+            self._preferred = site
+
     def remember_table_group(self, table: str, group: int) -> None:
         with self._lock:
             self._table_groups[table] = group
@@ -253,7 +270,7 @@ class Session:
             stub = self._stubs.get(site)
             if stub is None:
                 channel = grpc.insecure_channel(site, options=self._channel_options)
-                stub = hastream_pb2_grpc.StreamTableStub(channel)
+                stub = hastream_pb2_grpc.StreamTableStub(channel)  # type: ignore[no-untyped-call]
                 self._channels[site] = channel
                 self._stubs[site] = stub
             return stub
@@ -302,7 +319,10 @@ class Session:
                     raise error from None
                 target = self._after_failure(target, error, hint=hint, pinned=site is not None)
             else:
-                self.remember_leader(target, table=table, group=group)
+                if method_name in LEADER_METHODS:
+                    self.remember_leader(target, table=table, group=group)
+                else:
+                    self._remember_alive(target)
                 return response
 
     def _after_failure(
@@ -312,10 +332,13 @@ class Session:
             return site  # The leader is busy, not gone: another site would only redirect.
         return hint if hint is not None else self.next_site(site)
 
-    def open_stream(self, site: str, method_name: str, request: Any) -> Any:
-        """Starts a server-streaming RPC on `site` with no deadline (it is long-lived). The
-        returned object iterates the responses and can be `cancel()`led."""
-        return getattr(self.stub(site), method_name)(request)
+    def open_stream(
+        self, site: str, method_name: str, request: Any, *, timeout_s: float | None = None
+    ) -> Any:
+        """Starts a server-streaming RPC on `site`, with no deadline unless `timeout_s` (a
+        subscription is long-lived). The returned object iterates the responses and can be
+        `cancel()`led."""
+        return getattr(self.stub(site), method_name)(request, timeout=timeout_s)
 
     # -- admin calls (DolphinDB names) -----------------------------------------------
 
@@ -418,6 +441,20 @@ class Session:
     def getNodeStatus(self, site: str | None = None) -> dict[str, Any]:
         """The status document of one node: `site` (`host:port[:alias]`), or any site."""
         return admin.json_document(self.call("GetNodeStatus", hastream_pb2.Empty(), site=site))
+
+    def read(
+        self,
+        tableName: str,
+        offsetFrom: int,
+        offsetTo: int = -1,
+        *,
+        deadline_s: float | None = None,
+    ) -> pa.Table:
+        """The rows `[offsetFrom, offsetTo)` of a table as one pyarrow Table (`offsetTo=-1`:
+        up to the end). Complete or raising; see `api_clients.reader.read_range`."""
+        from api_clients.reader import read_range  # Import cycle: it types Session.
+
+        return read_range(self, tableName, offsetFrom, offsetTo, deadline_s=deadline_s)
 
     # -- subscriptions ---------------------------------------------------------------
 

@@ -274,8 +274,8 @@ class Subscription:
 
     def _run_connections(self) -> None:
         backoff = self._session.new_backoff(self._reconnect_deadline_s, sleep=self._stop_event.wait)
-        site = self._session.route(table=self._table)
         self._resolve_latest_floor()
+        site = self._session.route(table=self._table)
         # The subscription's event loop: one stream per turn. It ends on stop, on a
         # non-retryable error, or when the reconnect budget is spent.
         while not self._stop_event.is_set():
@@ -366,7 +366,10 @@ class Subscription:
             if isinstance(item, _End):
                 self._flush()
                 return self._classify(item.error, site), received
-            received = True
+            if not received:
+                # The node that streams the table leads it: send offset commits there too.
+                self._session.remember_leader(site, table=self._table, group=None)
+                received = True
             self._add(item)
             self._flush_if_due()
             self._commit()
@@ -381,7 +384,8 @@ class Subscription:
         call: Any = error
         if call.code() == grpc.StatusCode.CANCELLED and not self._stop_event.is_set():
             return NodeUnavailable(f"{site}: stream cancelled by the server")
-        return error
+        untyped: BaseException = error  # grpc has no type stubs: keep the declared type.
+        return untyped
 
     def _poll_timeout_s(self) -> float:
         if not self._pending:

@@ -110,6 +110,8 @@ class Group:
         self._pending: list[tuple[int, bytes]] = []
         self._subscribers: dict[str, int] = {}  # topic -> open subscriptions (this node)
         self.published_rows = 0
+        self.checkpoints_written = 0
+        self.checkpoints_loaded = 0
         settings.data_dir.mkdir(parents=True, exist_ok=True)
 
     def attach(self, replica: Replica) -> None:
@@ -200,6 +202,10 @@ class Group:
 
     def write_checkpoint(self, path: Path, last: Entry, previous: Entry) -> None:
         """Make the data files durable, then write the state machine (tick thread)."""
+        if self._catching_up:
+            # The state machine lags the log while entries wait for the catch-up; a
+            # checkpoint now would let pysyncobj truncate entries not yet applied.
+            raise NodeUnavailable(f"group {self.group_id} is catching up; checkpoint deferred")
         started = time.monotonic()
         with self._lock:
             for store in self._stores.values():
@@ -210,6 +216,7 @@ class Group:
         for command, idx, term in (last, previous):
             parts += [_ENTRY_HEADER.pack(idx, term, len(command)), command]
         checkpoint.write_atomic(path, CHECKPOINT_KIND, b"".join(parts))
+        self.checkpoints_written += 1
         log.info(
             "checkpoint group=%d lsn=%d tables=%d took_ms=%.1f",
             self.group_id,
@@ -240,6 +247,7 @@ class Group:
             entries.append((body[position : position + length], idx, term))
             position += length
         self._restore(state)
+        self.checkpoints_loaded += 1
         return entries[0], entries[1]
 
     def _restore(self, state: bytes) -> None:
@@ -468,6 +476,8 @@ class Group:
             "journal_bytes": replica.get("journal_bytes", 0),
             "journal_syncs": replica.get("journal_syncs", 0),
             "catching_up": self._catching_up,
+            "checkpoints_written": self.checkpoints_written,
+            "checkpoints_loaded": self.checkpoints_loaded,
             "publish_queue_depth": 0 if self._batcher is None else self._batcher.queue_depth,
             "entries_proposed": 0 if self._batcher is None else self._batcher.entries_proposed,
             "published_rows": self.published_rows,

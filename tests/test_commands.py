@@ -174,9 +174,11 @@ def test_garbage_either_decodes_canonically_or_raises_invalid_argument(data: byt
     try:
         command = decode(data)
     except InvalidArgument as error:
-        assert error.argument == "command"
+        argument = error.argument
     else:
+        argument = "command"
         assert encode(command) == data
+    assert argument == "command"
 
 
 @pytest.mark.property

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from raftstore.dedup import KeyWindow, ProducerRecord, ProducerWindow
 
 
-def _keep(window: KeyWindow, keys: list[Any], key_type: pa.DataType = pa.int64()) -> list[bool]:
+def _keep(window: KeyWindow, keys: list[Any], key_type: pa.DataType | None = None) -> list[bool]:
     """filter + add, the way the state machine uses the window; returns the mask."""
-    array = pa.array(keys, type=key_type)
+    array = pa.array(keys, type=key_type or pa.int64())
     mask = window.filter(array, window.offset_to)
     window.add(array.filter(mask), window.offset_to)
     result: list[bool] = mask.to_pylist()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import pyarrow as pa
 import pytest
 from hypothesis import given
@@ -34,7 +37,13 @@ def _record_bytes(
 
 def _arrow_payload() -> bytes:
     batch = pa.record_batch({"id": pa.array([1, 2, 3], pa.int64()), "name": ["a", "b", "c"]})
-    return batch.serialize().to_pybytes()
+    return bytes(batch.serialize().to_pybytes())
+
+
+def _decode_header_then_check_payload(data: bytes) -> None:
+    """What a reader does: header first (it gives the length), then the payload."""
+    header = storage_format.decode_header(data)
+    storage_format.check_payload(header, data[HEADER_SIZE : header.record_size])
 
 
 def _flip_bit(data: bytes, bit: int) -> bytes:
@@ -153,8 +162,7 @@ def test_any_flipped_bit_is_detected(payload: bytes, data: st.DataObject) -> Non
     bit = data.draw(st.integers(min_value=0, max_value=len(record) * 8 - 1), label="bit")
     corrupt = _flip_bit(record, bit)
     with pytest.raises(FormatError):
-        header = storage_format.decode_header(corrupt)
-        storage_format.check_payload(header, corrupt[HEADER_SIZE : header.record_size])
+        _decode_header_then_check_payload(corrupt)
 
 
 def test_flipped_payload_bit_raises_bad_checksum_from_check_payload() -> None:
@@ -172,14 +180,31 @@ def test_every_flipped_header_bit_is_caught_by_decode_header() -> None:
             storage_format.decode_header(_flip_bit(record, bit))
 
 
+def _handmade_header(payload_len: int, lsn: int, first_offset: int, row_count: int) -> bytes:
+    """A header built from the documented layout, independently of format.py."""
+    fields = struct.pack(
+        "<4sBBHIQQIqI", b"HSDR", 1, 0, 0, payload_len, lsn, first_offset, row_count, -1, 0
+    )
+    return fields + struct.pack("<I", zlib.crc32(fields))
+
+
+def test_layout_matches_the_documented_diagram() -> None:
+    header = storage_format.decode_header(_handmade_header(0, 9, 42, 5))
+    assert header == RecordHeader(9, 42, 5, -1, 0, 0)
+    assert _handmade_header(0, 9, 42, 5) == bytes(
+        storage_format.encode_record(9, 42, 5, -1, b"")[0]
+    )
+
+
 def test_valid_crc_over_out_of_range_payload_len_raises_format_error() -> None:
     # A header with a valid CRC but a payload_len beyond the limit: a writer bug, refused.
-    fields = storage_format._RECORD_FIELDS.pack(
-        b"HSDR", 1, 0, 0, limits.RECORD_BYTES_MAX + 1, 1, 0, 1, 0, 0
-    )
-    header = fields + storage_format._CRC.pack(storage_format.zlib.crc32(fields))
     with pytest.raises(FormatError, match="payload_len"):
-        storage_format.decode_header(header)
+        storage_format.decode_header(_handmade_header(limits.RECORD_BYTES_MAX + 1, 1, 0, 1))
+
+
+def test_valid_crc_over_zero_lsn_raises_format_error() -> None:
+    with pytest.raises(FormatError, match="lsn"):
+        storage_format.decode_header(_handmade_header(0, 0, 0, 1))
 
 
 def test_frame_round_trip() -> None:

@@ -52,6 +52,8 @@ SEGMENT_NAME_PATTERN: Final = re.compile(r"seg-(\d{20})\.dat")
 # Records handed to a reader per lock acquisition: bounds how long a reader holds the lock.
 _SNAPSHOT_RECORDS_MAX: Final = 1024
 _ZERO_CHECK_CHUNK_BYTES: Final = 1024 * 1024
+# Sealed segments whose fsync waits for the next `sync`; beyond it a roll fsyncs the oldest.
+_UNSYNCED_SEGMENTS_MAX: Final = 8
 
 
 def segment_name(first_offset: int) -> str:
@@ -281,10 +283,7 @@ class TableLog:
         sync, and the directory if a segment was created. Writer thread only."""
         assert not self._closed
         while self._unsynced_fds:
-            fd = self._unsynced_fds[0]
-            os.fsync(fd)
-            self._unsynced_fds.pop(0)
-            os.close(fd)
+            self._sync_oldest_sealed()
         if self._dirty:
             os.fsync(self._write_fd)
             self._dirty = False
@@ -426,6 +425,8 @@ class TableLog:
         fd = os.open(path, flags, 0o644)
         if self._write_fd >= 0:
             self._unsynced_fds.append(self._write_fd)
+        if len(self._unsynced_fds) > _UNSYNCED_SEGMENTS_MAX:
+            self._sync_oldest_sealed()
         self._write_fd = fd
         self._directory_dirty = True
         segment = _Segment(path, first_offset)
@@ -433,6 +434,12 @@ class TableLog:
             self._segments.append(segment)
         log.debug("new segment path=%s", path)
         return segment
+
+    def _sync_oldest_sealed(self) -> None:
+        fd = self._unsynced_fds[0]
+        os.fsync(fd)
+        self._unsynced_fds.pop(0)
+        os.close(fd)
 
     def _undo_partial_write(self, active: _Segment) -> None:
         """Cut a failed write back to the last whole record, so later appends cannot land

@@ -1,0 +1,160 @@
+"""Real three-node clusters: kill -9, SIGSTOP, restarts; no acknowledged row lost."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pyarrow as pa
+import pytest
+
+from proto import hastream_pb2 as pb
+from tests.harness import (
+    AckedPublisher,
+    LocalCluster,
+    assert_replicas_hold_exactly,
+    ipc_stream,
+    wait_until,
+)
+
+pytestmark = pytest.mark.cluster
+
+SCHEMA = pa.schema(
+    [
+        ("id", pa.int64()),
+        ("ts", pa.timestamp("ms")),
+        ("sym", pa.string()),
+        ("price", pa.float64()),
+        ("qty", pa.int32()),
+    ]
+)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(tmp_path / "cluster")
+    yield cluster.start()
+    cluster.stop()
+
+
+@pytest.fixture
+def fast_purge_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(tmp_path / "cluster", purge_interval_s=1.0)
+    yield cluster.start()
+    cluster.stop()
+
+
+def test_publish_to_follower_raises_not_leader_with_address(cluster: LocalCluster) -> None:
+    cluster.create_table("ticks", SCHEMA, key_column="id")
+    leader = cluster.leader()
+    follower = next(alias for alias in cluster.alive() if alias != leader)
+    payload = ipc_stream(AckedPublisher(cluster, "ticks", SCHEMA).batch(0, 10))
+    with pytest.raises(grpc.RpcError) as raised:
+        cluster.stub(follower).Publish(pb.PublishRequest(table="ticks", payload=payload), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    metadata = dict(raised.value.trailing_metadata())
+    assert metadata["hastream-error"] == "NotLeader"
+    leader_address = json.loads(metadata["hastream-error-fields"])["leader"]
+    assert leader_address == f"127.0.0.1:{cluster.nodes[leader].port}:{leader}"
+    assert cluster.row_count(follower, "ticks") == 0
+
+
+def test_leader_killed_twice_while_publishing_keeps_every_acked_row(cluster: LocalCluster) -> None:
+    cluster.create_table("ticks", SCHEMA, key_column="id")
+    publisher = AckedPublisher(cluster, "ticks", SCHEMA)
+    rows_total, batch_rows = 100_000, 500
+    batches = rows_total // batch_rows
+    kill_at = {batches // 3, 2 * batches // 3}
+    killed: list[str] = []
+    for number in range(batches):
+        if number in kill_at:
+            if killed:
+                cluster.start_node(killed[-1])  # a majority must survive the second kill
+            victim = cluster.leader()
+            cluster.kill(victim)
+            killed.append(victim)
+        publisher.publish(number * batch_rows, batch_rows)
+    cluster.start_node(killed[-1])
+    assert len(killed) == 2
+    expected = cluster.row_count(cluster.leader(), "ticks")
+    assert expected == rows_total
+    wait_until(
+        lambda: all(cluster.row_count(a, "ticks") == expected for a in cluster.alive()),
+        timeout_s=60,
+        message="replicas converge",
+    )
+    assert_replicas_hold_exactly(cluster, "ticks", publisher.acked)
+
+
+def test_kill_all_nodes_during_load_with_purging_loses_nothing(fast_purge_cluster: LocalCluster) -> None:
+    cluster = fast_purge_cluster
+    cluster.create_table("ticks", SCHEMA, key_column="id")
+    publisher = AckedPublisher(cluster, "ticks", SCHEMA)
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        key = 0
+        try:
+            while not stop.is_set():
+                publisher.publish(key, 200, deadline_s=5)
+                key += 200
+        except AssertionError as error:  # nodes are gone: expected once they are killed
+            failures.append(error)
+
+    writer = threading.Thread(target=load)
+    writer.start()
+    leader = cluster.leader()
+    wait_until(
+        lambda: cluster.group_status(leader, 2)["checkpoints_written"] >= 2 and len(publisher.acked) > 5000,
+        timeout_s=60,
+        message="checkpoints under load",
+    )
+    for alias in list(cluster.nodes):
+        cluster.kill(alias)
+    stop.set()
+    writer.join(timeout=30)
+    acked = list(publisher.acked)
+    assert acked, "nothing was acknowledged before the kill"
+    cluster.start()
+    leader = cluster.leader()
+    wait_until(
+        lambda: len({cluster.row_count(a, "ticks") for a in cluster.alive()}) == 1,
+        timeout_s=60,
+        message="replicas converge after restart",
+    )
+    assert_replicas_hold_exactly(cluster, "ticks", acked)
+
+
+def test_stopped_follower_catches_up_across_checkpoints(fast_purge_cluster: LocalCluster) -> None:
+    cluster = fast_purge_cluster
+    cluster.create_table("ticks", SCHEMA, key_column="id")
+    publisher = AckedPublisher(cluster, "ticks", SCHEMA)
+    publisher.publish(0, 1000)
+    leader = cluster.leader()
+    follower = next(alias for alias in cluster.alive() if alias != leader)
+    wait_until(lambda: cluster.row_count(follower, "ticks") == 1000, timeout_s=30, message="follower has rows")
+    cluster.signal(follower, signal.SIGSTOP)
+    try:
+        checkpoints = cluster.group_status(leader, 2)["checkpoints_written"]
+        key = 1000
+        deadline = time.monotonic() + 120
+        while cluster.group_status(leader, 2)["checkpoints_written"] < checkpoints + 3:
+            assert time.monotonic() < deadline, "leader wrote no checkpoints"
+            publisher.publish(key, 1000)
+            key += 1000
+    finally:
+        cluster.signal(follower, signal.SIGCONT)
+    expected = cluster.row_count(leader, "ticks")
+    wait_until(
+        lambda: cluster.row_count(follower, "ticks") == expected,
+        timeout_s=90,
+        message="stopped follower catches up",
+    )
+    assert cluster.group_status(follower, 2)["checkpoints_loaded"] >= 1, "no snapshot was installed"
+    assert_replicas_hold_exactly(cluster, "ticks", publisher.acked)

@@ -1,0 +1,514 @@
+"""storage/segments.py on real files: append, read, rolls, recovery, retention, repair."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import zlib
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from raftstore.errors import CorruptionError, NodeUnavailable, OffsetOutOfRange
+from raftstore.storage.format import HEADER_SIZE
+from raftstore.storage.segments import DataRecord, TableLog, segment_name
+
+pytestmark = pytest.mark.storage
+
+LOGGER = "raftstore.storage.segments"
+ROWS = 10  # Rows per record in most tests.
+PAYLOAD_BYTES = 100
+RECORD_BYTES = HEADER_SIZE + PAYLOAD_BYTES
+
+
+def _payload(lsn: int, size: int = PAYLOAD_BYTES) -> bytes:
+    """Deterministic, distinct per LSN, so a read can be checked against what was written."""
+    seed = zlib.crc32(lsn.to_bytes(8, "little")).to_bytes(4, "little")
+    return (seed * (size // 4 + 1))[:size]
+
+
+def _append(log: TableLog, count: int, *, rows: int = ROWS, timestamp_ms: int = 1000) -> None:
+    for _ in range(count):
+        lsn = log.lsn_last + 1
+        log.append(DataRecord(lsn, log.row_count, rows, timestamp_ms, _payload(lsn)))
+
+
+def _read_all(log: TableLog) -> list[DataRecord]:
+    return list(log.read(log.earliest_offset))
+
+
+def _check_records(records: list[DataRecord], first_offset: int, lsn_first: int) -> None:
+    """Records are contiguous, LSNs increasing by one, payloads as written."""
+    offset, lsn = first_offset, lsn_first
+    for record in records:
+        assert record.first_offset == offset
+        assert record.lsn == lsn
+        assert bytes(record.payload) == _payload(record.lsn, len(record.payload))
+        offset += record.row_count
+        lsn += 1
+
+
+def _segment_files(directory: Path) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name.startswith("seg-"))
+
+
+def _flip_byte(path: Path, position: int) -> None:
+    with path.open("r+b") as file:
+        file.seek(position)
+        byte = file.read(1)
+        file.seek(position)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def table_dir(tmp_path: Path) -> Path:
+    return tmp_path / "group2" / "trades"
+
+
+def test_new_table_log_creates_directory_and_is_empty(table_dir: Path) -> None:
+    log = TableLog(table_dir)
+    assert table_dir.is_dir()
+    assert (log.lsn_last, log.row_count, log.earliest_offset, log.bytes_total) == (0, 0, 0, 0)
+    assert list(log.read(0)) == []
+    log.close()
+
+
+def test_append_and_read_across_segment_rolls(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+    _append(log, 10)
+    assert _segment_files(table_dir) == [segment_name(o) for o in (0, 30, 60, 90)]
+    records = _read_all(log)
+    assert len(records) == 10
+    _check_records(records, 0, 1)
+    assert (log.lsn_last, log.row_count, log.bytes_total) == (10, 100, 10 * RECORD_BYTES)
+    log.close()
+
+
+def test_read_range_returns_overlapping_records_only(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+    _append(log, 10)
+    records = list(log.read(35, 61))  # Rows 35..60: records at 30, 40, 50, 60.
+    assert [r.first_offset for r in records] == [30, 40, 50, 60]
+    assert [r.first_offset for r in log.read(40, 40)] == []
+    assert log.record_at(99).first_offset == 90
+    assert log.record_at(0).lsn == 1
+    log.close()
+
+
+def test_read_outside_retained_range_raises_offset_out_of_range(table_dir: Path) -> None:
+    log = TableLog(table_dir)
+    _append(log, 2)
+    assert list(log.read(20)) == []
+    with pytest.raises(OffsetOutOfRange) as caught:
+        log.read(21)
+    assert (caught.value.table, caught.value.offset, caught.value.latest) == ("trades", 21, 20)
+    with pytest.raises(OffsetOutOfRange):
+        log.record_at(20)
+    log.close()
+
+
+def test_reopen_restores_records_and_counters(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=4 * RECORD_BYTES)
+    _append(log, 9)
+    log.sync()
+    log.close()
+    reopened = TableLog(table_dir, segment_bytes_max=4 * RECORD_BYTES)
+    assert (reopened.lsn_last, reopened.row_count, reopened.earliest_offset) == (9, 90, 0)
+    assert reopened.bytes_total == 9 * RECORD_BYTES
+    _check_records(_read_all(reopened), 0, 1)
+    _append(reopened, 3)  # Continues in the reopened active segment, then rolls.
+    _check_records(_read_all(reopened), 0, 1)
+    assert _segment_files(table_dir) == [segment_name(o) for o in (0, 40, 80)]
+    reopened.close()
+
+
+def test_record_larger_than_segment_bytes_max_gets_its_own_segment(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    _append(log, 1)
+    log.append(DataRecord(2, 10, 5, 0, b"x" * (3 * RECORD_BYTES)))
+    _append(log, 1)
+    assert _segment_files(table_dir) == [segment_name(o) for o in (0, 10, 15)]
+    assert [r.row_count for r in _read_all(log)] == [10, 5, 10]
+    log.close()
+
+
+def test_arrow_record_batch_payload_round_trips(table_dir: Path) -> None:
+    batch = pa.record_batch({"id": pa.array(range(1000), pa.int64()), "px": [0.5] * 1000})
+    log = TableLog(table_dir)
+    log.append(DataRecord(1, 0, batch.num_rows, 1234, batch.serialize().to_pybytes()))
+    log.close()
+    reopened = TableLog(table_dir)
+    record = reopened.record_at(500)
+    assert pa.ipc.read_record_batch(pa.py_buffer(record.payload), batch.schema).equals(batch)
+    assert (record.lsn, record.row_count, record.timestamp_ms) == (1, 1000, 1234)
+    reopened.close()
+
+
+def test_append_asserts_lsn_and_offset_chain(table_dir: Path) -> None:
+    log = TableLog(table_dir)
+    _append(log, 1)
+    with pytest.raises(AssertionError):
+        log.append(DataRecord(1, 10, 1, 0, b"p"))  # LSN not increasing.
+    with pytest.raises(AssertionError):
+        log.append(DataRecord(2, 11, 1, 0, b"p"))  # Gap in offsets.
+    with pytest.raises(AssertionError):
+        log.append(DataRecord(2, 10, 0, 0, b"p"))  # No rows.
+    log.close()
+
+
+# --- torn tails ----------------------------------------------------------------------------
+
+
+def test_cut_at_every_byte_of_last_record_truncates_to_previous_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    template = tmp_path / "template"
+    log = TableLog(template)
+    _append(log, 3)
+    log.close()
+    path = template / segment_name(0)
+    last_start = 2 * RECORD_BYTES
+    for cut in range(last_start + 1, 3 * RECORD_BYTES):
+        directory = tmp_path / f"cut{cut}"
+        shutil.copytree(template, directory)
+        os.truncate(directory / path.name, cut)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            reopened = TableLog(directory)
+        assert (reopened.row_count, reopened.lsn_last) == (20, 2), cut
+        assert (directory / path.name).stat().st_size == last_start
+        assert [r.levelname for r in caplog.records] == ["WARNING"], cut
+        assert "truncated torn tail" in caplog.records[0].getMessage()
+        assert f"position={last_start}" in caplog.records[0].getMessage()
+        _append(reopened, 1)  # Appends go right after the last whole record.
+        _check_records(_read_all(reopened), 0, 1)
+        reopened.close()
+        shutil.rmtree(directory)
+
+
+def test_zero_filled_tail_is_truncated(table_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    log = TableLog(table_dir)
+    _append(log, 2)
+    log.close()
+    path = table_dir / segment_name(0)
+    with path.open("ab") as file:
+        file.write(bytes(8192))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        reopened = TableLog(table_dir)
+    assert path.stat().st_size == 2 * RECORD_BYTES
+    assert (reopened.row_count, reopened.lsn_last) == (20, 2)
+    assert "truncated torn tail" in caplog.text
+    reopened.close()
+
+
+def test_last_record_with_zeroed_payload_end_and_zero_tail_is_truncated(
+    table_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The header reached the disk, the rest of the record and beyond reads as zeros."""
+    log = TableLog(table_dir)
+    _append(log, 2)
+    log.close()
+    path = table_dir / segment_name(0)
+    with path.open("r+b") as file:
+        file.seek(RECORD_BYTES + HEADER_SIZE + 10)
+        file.write(bytes(PAYLOAD_BYTES - 10 + 4096))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        reopened = TableLog(table_dir)
+    assert (reopened.row_count, path.stat().st_size) == (10, RECORD_BYTES)
+    assert "truncated torn tail" in caplog.text
+    reopened.close()
+
+
+def test_torn_first_record_of_new_segment_reopens_previous_as_active(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    _append(log, 3)
+    log.close()
+    os.truncate(table_dir / segment_name(20), RECORD_BYTES // 2)
+    reopened = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    assert (reopened.row_count, reopened.lsn_last) == (20, 2)
+    assert _segment_files(table_dir) == [segment_name(0)]  # The emptied segment is gone.
+    _append(reopened, 1)
+    assert _segment_files(table_dir) == [segment_name(0), segment_name(20)]
+    _check_records(_read_all(reopened), 0, 1)
+    reopened.close()
+
+
+def test_empty_trailing_segment_file_is_fine(table_dir: Path) -> None:
+    log = TableLog(table_dir)
+    _append(log, 2)
+    log.close()
+    (table_dir / segment_name(20)).touch()  # A roll that crashed before its first write.
+    reopened = TableLog(table_dir)
+    assert (reopened.row_count, reopened.lsn_last) == (20, 2)
+    _append(reopened, 1)
+    _check_records(_read_all(reopened), 0, 1)
+    reopened.close()
+
+
+# --- corruption ----------------------------------------------------------------------------
+
+
+def test_flipped_payload_byte_in_middle_record_of_last_segment_raises_at_open(
+    table_dir: Path,
+) -> None:
+    log = TableLog(table_dir)
+    _append(log, 5)
+    log.close()
+    path = table_dir / segment_name(0)
+    _flip_byte(path, 2 * RECORD_BYTES + HEADER_SIZE + 7)
+    with pytest.raises(CorruptionError) as caught:
+        TableLog(table_dir)
+    assert (caught.value.path, caught.value.position) == (str(path), 2 * RECORD_BYTES)
+    assert "crc" in caught.value.detail
+    assert path.stat().st_size == 5 * RECORD_BYTES  # Nothing was cut.
+
+
+def test_flipped_header_byte_in_middle_record_of_last_segment_raises_at_open(
+    table_dir: Path,
+) -> None:
+    log = TableLog(table_dir)
+    _append(log, 5)
+    log.close()
+    _flip_byte(table_dir / segment_name(0), 3 * RECORD_BYTES + 13)  # In the lsn field.
+    with pytest.raises(CorruptionError) as caught:
+        TableLog(table_dir)
+    assert caught.value.position == 3 * RECORD_BYTES
+
+
+def test_zeroed_header_followed_by_data_is_corruption_not_a_torn_tail(table_dir: Path) -> None:
+    log = TableLog(table_dir)
+    _append(log, 3)
+    log.close()
+    path = table_dir / segment_name(0)
+    with path.open("r+b") as file:
+        file.seek(2 * RECORD_BYTES)
+        file.write(bytes(HEADER_SIZE))  # The last record's payload is still there.
+    with pytest.raises(CorruptionError):
+        TableLog(table_dir)
+
+
+def test_flipped_payload_byte_in_sealed_segment_raises_at_read(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+    _append(log, 9)
+    log.close()
+    path = table_dir / segment_name(0)
+    _flip_byte(path, RECORD_BYTES + HEADER_SIZE + 50)
+    reopened = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)  # Headers are fine.
+    records = reopened.read(0)
+    assert next(records).lsn == 1
+    with pytest.raises(CorruptionError) as caught:
+        next(records)
+    assert (caught.value.path, caught.value.position) == (str(path), RECORD_BYTES)
+    _check_records(list(reopened.read(30)), 30, 4)  # Other segments still read.
+    reopened.close()
+
+
+def test_flipped_header_byte_in_sealed_segment_raises_at_open(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+    _append(log, 9)
+    log.close()
+    path = table_dir / segment_name(30)
+    _flip_byte(path, 2 * RECORD_BYTES + 30)  # The last record of a sealed segment.
+    with pytest.raises(CorruptionError) as caught:
+        TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+    assert (caught.value.path, caught.value.position) == (str(path), 2 * RECORD_BYTES)
+
+
+def test_cut_sealed_segment_raises_at_open(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+    _append(log, 9)
+    log.close()
+    os.truncate(table_dir / segment_name(30), 3 * RECORD_BYTES - 1)
+    with pytest.raises(CorruptionError):
+        TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+
+
+def test_missing_middle_segment_raises_at_open(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+    _append(log, 9)
+    log.close()
+    (table_dir / segment_name(30)).unlink()
+    with pytest.raises(CorruptionError, match="previous one ends at 30"):
+        TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+
+
+# --- retention and repair ------------------------------------------------------------------
+
+
+def test_retention_removes_old_segments_but_keeps_last_rows(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    _append(log, 6, timestamp_ms=1000)  # Segments at 0, 20, 40.
+    _append(log, 2, timestamp_ms=5000)  # Segment at 60.
+    # Everything before 5000 is old, but the last 35 rows (offsets 45..79) stay.
+    assert log.remove_segments_before(5000, keep_rows=35) == 40
+    assert _segment_files(table_dir) == [segment_name(40), segment_name(60)]
+    assert (log.earliest_offset, log.row_count, log.bytes_total) == (40, 80, 4 * RECORD_BYTES)
+    _check_records(_read_all(log), 40, 5)
+    with pytest.raises(OffsetOutOfRange) as caught:
+        log.read(39)
+    assert (caught.value.earliest, caught.value.latest) == (40, 80)
+    log.close()
+    reopened = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    assert (reopened.earliest_offset, reopened.row_count, reopened.lsn_last) == (40, 80, 8)
+    reopened.close()
+
+
+def test_retention_keeps_segments_with_recent_records(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    _append(log, 1, timestamp_ms=1000)
+    _append(log, 1, timestamp_ms=9000)  # Same segment: its newest record is recent.
+    _append(log, 2, timestamp_ms=1000)
+    assert log.remove_segments_before(5000, keep_rows=0) == 0
+    assert log.earliest_offset == 0
+    log.close()
+
+
+def test_retention_never_removes_the_active_segment(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    _append(log, 5)
+    assert log.remove_segments_before(10**12, keep_rows=0) == 40
+    assert (_segment_files(table_dir), log.earliest_offset, log.row_count) == (
+        [segment_name(40)],
+        40,
+        50,
+    )
+    log.close()
+
+
+def test_truncate_from_drops_records_across_segments(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+    _append(log, 10)
+    log.truncate_from(45)  # Record 40 holds row 45 and stays; records from 50 go.
+    assert (log.row_count, log.lsn_last, log.bytes_total) == (50, 5, 5 * RECORD_BYTES)
+    assert _segment_files(table_dir) == [segment_name(0), segment_name(30)]
+    assert (table_dir / segment_name(30)).stat().st_size == 2 * RECORD_BYTES
+    _append(log, 1)
+    _check_records(_read_all(log), 0, 1)
+    log.close()
+    reopened = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+    assert (reopened.row_count, reopened.lsn_last) == (60, 6)
+    reopened.close()
+
+
+def test_truncate_from_segment_start_removes_that_segment(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+    _append(log, 7)
+    log.truncate_from(30)
+    assert _segment_files(table_dir) == [segment_name(0)]
+    assert (log.row_count, log.lsn_last) == (30, 3)
+    _append(log, 1)  # Rolls into a fresh segment named 30 again.
+    assert _segment_files(table_dir) == [segment_name(0), segment_name(30)]
+    log.close()
+
+
+def test_truncate_everything_retained_remembers_row_count_by_name(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    _append(log, 5)
+    log.remove_segments_before(10**12, keep_rows=0)
+    log.truncate_from(40)
+    assert (log.row_count, log.earliest_offset, log.lsn_last) == (40, 40, 0)
+    log.close()
+    reopened = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    assert (reopened.row_count, reopened.earliest_offset) == (40, 40)
+    assert list(reopened.read(40)) == []
+    reopened.append(DataRecord(9, 40, 10, 0, _payload(9)))
+    assert reopened.record_at(45).lsn == 9
+    reopened.close()
+
+
+def test_truncate_from_at_row_count_changes_nothing(table_dir: Path) -> None:
+    log = TableLog(table_dir)
+    _append(log, 2)
+    log.truncate_from(20)
+    log.truncate_from(15)  # Inside the last record: it stays.
+    assert (log.row_count, log.lsn_last) == (20, 2)
+    log.close()
+
+
+# --- threads, lifecycle --------------------------------------------------------------------
+
+
+def test_concurrent_reader_sees_only_whole_records(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=8 * 1024)
+    record_count = 2000
+    done = threading.Event()
+    failures: list[BaseException] = []
+    reads = 0
+
+    def reader() -> None:
+        nonlocal reads
+        try:
+            seen = 0
+            while not done.is_set() or seen < record_count * ROWS:
+                records = list(log.read(0))
+                _check_records(records, 0, 1)
+                rows = sum(r.row_count for r in records)
+                assert rows >= seen  # Never goes backwards.
+                seen = rows
+                reads += 1
+        except BaseException as error:
+            failures.append(error)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for lsn in range(1, record_count + 1):
+        size = 50 + lsn % 200  # Varying sizes: roll points move around.
+        log.append(DataRecord(lsn, (lsn - 1) * ROWS, ROWS, 0, _payload(lsn, size)))
+    done.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert failures == []
+    assert reads >= 1
+    log.close()
+
+
+def test_read_after_close_raises_node_unavailable(table_dir: Path) -> None:
+    log = TableLog(table_dir)
+    _append(log, 2)
+    records = log.read(0)
+    log.close()
+    with pytest.raises(NodeUnavailable):
+        next(records)
+
+
+def test_sync_after_rolls_then_reopen(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    _append(log, 5)
+    log.sync()
+    _append(log, 1)
+    log.sync()
+    log.sync()
+    log.close()
+    assert TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES).row_count == 60
+
+
+def test_destroy_removes_the_directory(table_dir: Path) -> None:
+    log = TableLog(table_dir)
+    _append(log, 2)
+    log.destroy()
+    assert not table_dir.exists()
+
+
+def test_reading_a_million_rows_in_10k_row_records(table_dir: Path) -> None:
+    batch = pa.record_batch({"id": pa.array(range(10_000), pa.int64())})
+    payload = batch.serialize().to_pybytes()
+    log = TableLog(table_dir, segment_bytes_max=1024 * 1024)
+    for lsn in range(1, 101):
+        log.append(DataRecord(lsn, (lsn - 1) * 10_000, 10_000, 0, payload))
+    rows = sum(r.row_count for r in log.read(0))
+    assert rows == 1_000_000
+    log.close()
+
+
+def test_many_rolls_between_syncs_keep_every_record(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=RECORD_BYTES)
+    _append(log, 30)  # 30 segments: more than are left unsynced until the next sync.
+    log.sync()
+    log.close()
+    reopened = TableLog(table_dir, segment_bytes_max=RECORD_BYTES)
+    assert len(_segment_files(table_dir)) == 30
+    _check_records(_read_all(reopened), 0, 1)
+    reopened.close()
