@@ -4,6 +4,7 @@
     session = connect("127.0.0.1", 8901, highAvailabilitySites=["127.0.0.1:8902", "127.0.0.1:8903"])
     Publisher(session, "ticks").append(frame)
     session.subscribe("ticks", handler, offset=-2, actionName="spark")
+    session.read("ticks", 0, 1000)  # rows [0, 1000) as one pyarrow Table
 
 Errors are the server's own classes from `raftstore.errors`, re-exported here.
 """

@@ -8,7 +8,7 @@ import sys
 
 from raftstore import config
 from raftstore.errors import ConfigError
-from raftstore.node import Node
+from raftstore.node import DirectoryLocked, Node
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    Node(cluster, args.node).run()
+    try:
+        Node(cluster, args.node).run()
+    except DirectoryLocked as error:
+        print(f"cannot start: {error}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -31,22 +31,20 @@ class Batcher:
     def __init__(self, group_id: int, propose: Propose) -> None:
         self._group_id = group_id
         self._propose = propose
-        self._queue: collections.deque[tuple[commands.AppendItem, Future[ItemResult]]] = (
-            collections.deque()
-        )
+        self._queue: collections.deque[
+            tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]
+        ] = collections.deque()
         self._queued_bytes = 0
         self._condition = threading.Condition()
         self._in_flight = threading.BoundedSemaphore(limits.PROPOSALS_IN_FLIGHT_MAX)
         self._closed = False
         self.entries_proposed = 0
         self.items_proposed = 0
-        self._thread = threading.Thread(
-            target=self._run, name=f"batcher-{group_id}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"batcher-{group_id}", daemon=True)
         self._thread.start()
 
-    def submit(self, item: commands.AppendItem) -> Future[ItemResult]:
-        future: Future[ItemResult] = Future()
+    def submit(self, item: commands.AppendItem) -> Future[tuple[int, ItemResult]]:
+        future: Future[tuple[int, ItemResult]] = Future()
         with self._condition:
             if self._closed:
                 raise LeadershipLost("node shutting down")
@@ -87,8 +85,8 @@ class Batcher:
                 continue
             self._send(batch)
 
-    def _drain(self) -> list[tuple[commands.AppendItem, Future[ItemResult]]]:
-        batch: list[tuple[commands.AppendItem, Future[ItemResult]]] = []
+    def _drain(self) -> list[tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]]:
+        batch: list[tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]] = []
         size = 0
         with self._condition:
             while self._queue and len(batch) < limits.ENTRY_ITEMS_MAX:
@@ -101,7 +99,9 @@ class Batcher:
                 batch.append((item, future))
         return batch
 
-    def _send(self, batch: list[tuple[commands.AppendItem, Future[ItemResult]]]) -> None:
+    def _send(
+        self, batch: list[tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]]
+    ) -> None:
         futures = [future for _, future in batch]
         command = commands.Append(
             timestamp_ms=int(time.time() * 1000), items=tuple(item for item, _ in batch)
@@ -117,13 +117,13 @@ class Batcher:
                 return
             assert len(result.items) == len(futures), "one result per packed item"
             for future, item_result in zip(futures, result.items, strict=True):
-                future.set_result(item_result)
+                future.set_result((result.lsn, item_result))
 
         self.entries_proposed += 1
         self.items_proposed += len(batch)
         try:
             self._propose(commands.encode(command), done)
-        except Exception as error:  # noqa: BLE001 (handed to every waiting publisher)
+        except Exception as error:
             self._in_flight.release()
             for future in futures:
                 future.set_exception(error)

@@ -131,7 +131,7 @@ class KeyWindow:
         self._offset_to = offset
 
     def _evict(self) -> None:
-        offset_from_min = self._offset_to - self._window_rows - 1
+        offset_from_min = self._offset_to - self._window_rows
         offsets = self._offsets
         keys = self._keys
         offset = self._offset_from
@@ -143,7 +143,7 @@ class KeyWindow:
         self._offset_from = offset
         assert self._offset_from >= 0, self._offset_from
         assert self._offset_from <= self._offset_to, (self._offset_from, self._offset_to)
-        pass
+        assert self._offset_to - self._offset_from <= self._window_rows
         assert len(keys) == self._offset_to - self._offset_from
         assert len(offsets) <= len(keys)
 

@@ -40,7 +40,6 @@ from raftstore.errors import (
 from raftstore.model import NodeAddress
 from raftstore.state_machine import (
     AppendRecords,
-    AppendResult,
     CommandResult,
     CreateTableFiles,
     DropTableFiles,
@@ -68,7 +67,9 @@ FetchRecords = Callable[[NodeAddress, int, str, int, int], Iterator[DataRecord]]
 class Replica(Protocol):
     """RaftReplica (replication.py) or LocalReplica (local_replica.py)."""
 
-    def propose(self, command: bytes, callback: Callable[[Any, RaftStoreError | None], None]) -> None: ...
+    def propose(
+        self, command: bytes, callback: Callable[[Any, RaftStoreError | None], None]
+    ) -> None: ...
 
     def is_leader(self) -> bool: ...
 
@@ -298,7 +299,11 @@ class Group:
                     return
                 time.sleep(0.5)  # bounded by the deadline; peers may be restarting
             log.info(
-                "caught up group=%d table=%s rows=[%d,%d)", self.group_id, table, offset_from, offset_to
+                "caught up group=%d table=%s rows=[%d,%d)",
+                self.group_id,
+                table,
+                offset_from,
+                offset_to,
             )
         with self._lock:
             self._rebuild_key_windows()
@@ -363,17 +368,18 @@ class Group:
         if result.error is not None:
             raise result.error
 
-    def publish(self, item: commands.AppendItem) -> ItemResult:
+    def publish(self, item: commands.AppendItem) -> tuple[int, ItemResult]:
+        """Append one batch; returns (lsn of the entry that carried it, its result)."""
         self.require_leader()
         with self._lock:
             self._machine.validate_append(item.table, item.payload)
         assert self._batcher is not None
         future = self._batcher.submit(item)
-        result = self._wait(future)
+        lsn, result = self._wait(future)
         if result.error is not None:
             raise result.error
         self.published_rows += result.row_count
-        return result
+        return lsn, result
 
     def commit_offset(self, topic: str, offset: int) -> int:
         self.require_leader()

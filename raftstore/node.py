@@ -7,11 +7,14 @@ signal asks the node to stop.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import signal
 import sys
 import threading
 from concurrent import futures
+from pathlib import Path
 from types import FrameType
 
 import grpc
@@ -29,6 +32,13 @@ from raftstore.service import StreamTableService
 
 log = logging.getLogger(__name__)
 
+
+class DirectoryLocked(RuntimeError):
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        super().__init__(f"{directory} is in use by another node process")
+
+
 READY_LINE = "NODE READY alias={alias} port={port}"
 GRPC_WORKERS = 64
 
@@ -42,6 +52,7 @@ class Node:
         self._peers = PeerClient()
         self._stopping = threading.Event()
         self._server: grpc.Server | None = None
+        self._lock_fds: list[int] = []
 
     # --- NodeView for the servicer ---
 
@@ -61,10 +72,23 @@ class Node:
     # --- lifecycle (main thread) ---
 
     def start(self) -> None:
+        for directory in (self.config.persistence_dir, self.config.ha_dir):
+            self._lock_directory(directory)
         self._start_local_group()
         for group_config in self.cluster.groups_of(self.alias):
             self._start_raft_group(group_config.group_id)
         self._start_server()
+
+    def _lock_directory(self, directory: Path) -> None:
+        """Two processes must never write one node's files: hold an exclusive lock."""
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DirectoryLocked(directory) from None
+        self._lock_fds.append(fd)
 
     def _start_local_group(self) -> None:
         settings = GroupSettings(
@@ -74,9 +98,7 @@ class Node:
             members={LOCAL_ADDRESS: self.config.address},
         )
         group = Group(settings, self._peers.fetch_records)
-        replica = LocalReplica(
-            self.config.ha_dir / "local", group, self.cluster.purge_interval_s
-        )
+        replica = LocalReplica(self.config.ha_dir / "local", group, self.cluster.purge_interval_s)
         group.attach(replica)
         self._groups[LOCAL_GROUP] = group
 
@@ -111,6 +133,12 @@ class Node:
                 ("grpc.max_receive_message_length", limits.GRPC_MESSAGE_BYTES_MAX),
                 ("grpc.max_send_message_length", limits.GRPC_MESSAGE_BYTES_MAX),
                 ("grpc.so_reuseport", 0),
+                # Let clients probe idle streams (a subscriber must notice a frozen leader).
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 2_000),
+                ("grpc.http2.max_ping_strikes", 0),
             ],
             maximum_concurrent_rpcs=GRPC_WORKERS - 4,
         )
@@ -126,7 +154,9 @@ class Node:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.start()
-        print(READY_LINE.format(alias=self.alias, port=self.config.port), file=sys.stderr, flush=True)
+        print(
+            READY_LINE.format(alias=self.alias, port=self.config.port), file=sys.stderr, flush=True
+        )
         log.info("node ready alias=%s port=%d", self.alias, self.config.port)
         while not self._stopping.wait(timeout=1.0):
             pass

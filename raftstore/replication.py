@@ -163,7 +163,7 @@ def _patch_pysyncobj() -> None:
     if _patched:
         return
     _patched = True
-    setattr(pysyncobj_pickle, "__protocol", 5)  # noqa: B010 (module-level dunder name)
+    setattr(pysyncobj_pickle, "__protocol", 5)
     pysyncobj_tcp_connection.zlib = _NoCompression  # type: ignore[assignment]
     pysyncobj_syncobj.createJournal = _create_journal
     pysyncobj_syncobj.getEncryptor = _HmacAuthenticator
@@ -186,7 +186,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         journal: DurableJournal = self._SyncObj__raftLog
         return journal
 
-    def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802, N803
+    def _onTick(self, timeToWait: float = 0.0) -> None:
         # Before the leader's commit computation counts this node: entries on disk.
         journal = self._journal
         journal.sync()
@@ -320,7 +320,9 @@ class RaftReplica:
 
     def _on_state_changed(self, old: int, new: int) -> None:
         if (old == _STATE_LEADER) != (new == _STATE_LEADER):
-            log.info("role change group=%d leader=%s", self._settings.group_id, new == _STATE_LEADER)
+            log.info(
+                "role change group=%d leader=%s", self._settings.group_id, new == _STATE_LEADER
+            )
             self._hooks.on_role_change(new == _STATE_LEADER)
 
     def _serialize(self, file_name: str, data: tuple[Entry, Entry, Any]) -> None:

@@ -142,7 +142,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     # --- tables ---
 
     @unary
-    def HaStreamTable(self, request: pb.CreateTableRequest, context: Any) -> pb.TableInfo:  # noqa: N802
+    def HaStreamTable(self, request: pb.CreateTableRequest, context: Any) -> pb.TableInfo:
         group = self._node.group(request.raft_group)
         for other in self._node.groups():
             if other is not group and other.has_table(request.table):
@@ -159,19 +159,19 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         return self._table_info(group, view)
 
     @unary
-    def DropStreamTable(self, request: pb.DropTableRequest, context: Any) -> pb.DropTableResponse:  # noqa: N802
+    def DropStreamTable(self, request: pb.DropTableRequest, context: Any) -> pb.DropTableResponse:
         self._group_of(request.table).drop_table(request.table, force=request.force)
         return pb.DropTableResponse(table=request.table)
 
     @unary
-    def GetTableInfo(self, request: pb.TableRequest, context: Any) -> pb.TableInfo:  # noqa: N802
+    def GetTableInfo(self, request: pb.TableRequest, context: Any) -> pb.TableInfo:
         group = self._group_of(request.table)
         return self._table_info(group, group.table_view(request.table))
 
     # --- data ---
 
     @unary
-    def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:  # noqa: N802
+    def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
         if request.producer_id and len(request.producer_id) != 16:
             raise InvalidArgument("producer_id", "must be empty or exactly 16 bytes")
         item = commands.AppendItem(
@@ -180,8 +180,9 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             sequence=request.sequence,
             payload=request.payload,
         )
-        result = self._group_of(request.table).publish(item)
+        lsn, result = self._group_of(request.table).publish(item)
         return pb.PublishResponse(
+            lsn=lsn,
             first_offset=result.first_offset,
             row_count=result.row_count,
             duplicates=result.duplicates,
@@ -189,7 +190,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         )
 
     @streaming
-    def Subscribe(self, request: pb.SubscribeRequest, context: Any) -> Iterator[pb.RowBatch]:  # noqa: N802
+    def Subscribe(self, request: pb.SubscribeRequest, context: Any) -> Iterator[pb.RowBatch]:
         group = self._group_of(request.table)
         group.require_leader()
         store = group.store(request.table)
@@ -208,7 +209,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             log.info("subscription closed topic=%s", topic)
 
     @streaming
-    def Read(self, request: pb.ReadRequest, context: Any) -> Iterator[pb.RowBatch]:  # noqa: N802
+    def Read(self, request: pb.ReadRequest, context: Any) -> Iterator[pb.RowBatch]:
         group = self._group_of(request.table)
         store = group.store(request.table)
         view = group.table_view(request.table)
@@ -227,7 +228,9 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             position = slices[-1].first_offset + slices[-1].batch.num_rows
 
     @streaming
-    def FetchRecords(self, request: pb.FetchRecordsRequest, context: Any) -> Iterator[pb.DataRecord]:  # noqa: N802
+    def FetchRecords(
+        self, request: pb.FetchRecordsRequest, context: Any
+    ) -> Iterator[pb.DataRecord]:
         store = self._node.group(request.raft_group).store(request.table)
         end = min(request.offset_to, store.row_count)
         for record in store.records(request.offset_from, end):
@@ -244,7 +247,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     # --- offsets ---
 
     @unary
-    def CommitOffset(self, request: pb.CommitOffsetRequest, context: Any) -> pb.TopicOffset:  # noqa: N802
+    def CommitOffset(self, request: pb.CommitOffsetRequest, context: Any) -> pb.TopicOffset:
         topic = topic_name(request.table, request.action_name or "default")
         self._group_of(request.table).commit_offset(topic, request.offset)
         return pb.TopicOffset(topic=topic, offset=request.offset)
@@ -256,14 +259,14 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         return self._group_of(table)
 
     @unary
-    def GetTopicProcessedOffset(self, request: pb.TopicRequest, context: Any) -> pb.TopicOffset:  # noqa: N802
+    def GetTopicProcessedOffset(self, request: pb.TopicRequest, context: Any) -> pb.TopicOffset:
         offset = self._topic_group(request.topic).topic_offset(request.topic)
         if offset is None:
             raise TopicNotFound(request.topic)
         return pb.TopicOffset(topic=request.topic, offset=offset)
 
     @unary
-    def RemoveTopicOffset(self, request: pb.TopicRequest, context: Any) -> pb.TopicOffset:  # noqa: N802
+    def RemoveTopicOffset(self, request: pb.TopicRequest, context: Any) -> pb.TopicOffset:
         group = self._topic_group(request.topic)
         offset = group.topic_offset(request.topic)
         group.remove_offset(request.topic)
@@ -272,14 +275,16 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     # --- admin ---
 
     @unary
-    def GetStreamingLeader(self, request: pb.GroupRequest, context: Any) -> pb.LeaderInfo:  # noqa: N802
+    def GetStreamingLeader(self, request: pb.GroupRequest, context: Any) -> pb.LeaderInfo:
         if request.raft_group == LOCAL_GROUP:
             raise UnknownGroup(request.raft_group)
         leader = self._node.group(request.raft_group).leader()
-        return pb.LeaderInfo(raft_group=request.raft_group, leader="" if leader is None else str(leader))
+        return pb.LeaderInfo(
+            raft_group=request.raft_group, leader="" if leader is None else str(leader)
+        )
 
     @unary
-    def GetStreamingRaftGroups(self, request: pb.Empty, context: Any) -> pb.RaftGroups:  # noqa: N802
+    def GetStreamingRaftGroups(self, request: pb.Empty, context: Any) -> pb.RaftGroups:
         groups = []
         for group in self._node.groups():
             if group.group_id == LOCAL_GROUP:
@@ -296,7 +301,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         return pb.RaftGroups(groups=groups)
 
     @unary
-    def GetStreamingStat(self, request: pb.Empty, context: Any) -> pb.JsonDocument:  # noqa: N802
+    def GetStreamingStat(self, request: pb.Empty, context: Any) -> pb.JsonDocument:
         return pb.JsonDocument(json=json.dumps(self._stat()))
 
     def _stat(self) -> dict[str, Any]:
@@ -311,13 +316,20 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
                 rows = status["table_stats"].get(table, {}).get("row_count", 0)
                 offset = topics.get(topic, -1)
                 subscriptions.append(
-                    {"topic": topic, "connections": count, "persisted_offset": offset, "lag": rows - 1 - offset}
+                    {
+                        "topic": topic,
+                        "connections": count,
+                        "persisted_offset": offset,
+                        "lag": rows - 1 - offset,
+                    }
                 )
         return {
             "alias": self._node.alias,
             "tables": publish,
             "subscriptions": subscriptions,
-            "topics": {topic: o for group in self._node.groups() for topic, o in group.topics().items()},
+            "topics": {
+                topic: o for group in self._node.groups() for topic, o in group.topics().items()
+            },
             "groups": [self._group_status(group) for group in self._node.groups()],
         }
 
@@ -328,7 +340,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         return status
 
     @unary
-    def GetNodeStatus(self, request: pb.Empty, context: Any) -> pb.JsonDocument:  # noqa: N802
+    def GetNodeStatus(self, request: pb.Empty, context: Any) -> pb.JsonDocument:
         document = {
             "alias": self._node.alias,
             "groups": [self._group_status(group) for group in self._node.groups()],

@@ -81,7 +81,10 @@ class TableStore:
     def _cache_add(self, rows: RowSlice) -> None:
         self._cache.append(rows)
         self._cache_rows += rows.batch.num_rows
-        while self._cache and self._cache_rows - self._cache[0].batch.num_rows >= self.meta.cache_limit:
+        while (
+            self._cache
+            and self._cache_rows - self._cache[0].batch.num_rows >= self.meta.cache_limit
+        ):
             evicted = self._cache.popleft()
             self._cache_rows -= evicted.batch.num_rows
 
@@ -133,7 +136,9 @@ class TableStore:
         """The key column of rows [offset_from, offset_to) (rebuilding a dedup window)."""
         chunks = [
             rows.batch.column(column)
-            for rows in _slice(list(self._read_disk(offset_from, offset_to)), offset_from, offset_to)
+            for rows in _slice(
+                list(self._read_disk(offset_from, offset_to)), offset_from, offset_to
+            )
         ]
         if not chunks:
             return pa.array([], type=self.meta.schema.field(column).type)
@@ -152,6 +157,8 @@ def _slice(slices: list[RowSlice], offset_from: int, offset_to: int) -> list[Row
             continue
         lo = max(offset_from, start) - start
         hi = min(offset_to, end) - start
-        batch = rows.batch if (lo, hi) == (0, rows.batch.num_rows) else rows.batch.slice(lo, hi - lo)
+        batch = (
+            rows.batch if (lo, hi) == (0, rows.batch.num_rows) else rows.batch.slice(lo, hi - lo)
+        )
         result.append(RowSlice(start + lo, batch))
     return result

@@ -41,10 +41,12 @@ def wait_until(
             value = predicate()
             if value:
                 return value
-        except Exception as error:  # noqa: BLE001 (reported at the deadline)
+        except Exception as error:
             last_error = error
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s: {message} (last error: {last_error})")
+            raise AssertionError(
+                f"timed out after {timeout_s}s: {message} (last error: {last_error})"
+            )
         time.sleep(interval_s)
 
 
@@ -111,7 +113,11 @@ class LocalCluster:
                 f"{group}:{ports[self.size * (1 + index) + number]}"
                 for index, group in enumerate(self.groups)
             )
-            lines += [f"{alias}.host=127.0.0.1", f"{alias}.port={port}", f"{alias}.raftPorts={raft}"]
+            lines += [
+                f"{alias}.host=127.0.0.1",
+                f"{alias}.port={port}",
+                f"{alias}.raftPorts={raft}",
+            ]
             self.nodes[alias] = NodeProcess(alias, port, self.root / f"{alias}.log")
         self.config_path = self.root / "cluster.cfg"
         self.config_path.write_text("\n".join(lines) + "\n")
@@ -131,7 +137,15 @@ class LocalCluster:
         env = dict(os.environ, PYTHONPATH=str(REPO))
         with node.log_path.open("ab") as log_file:
             node.process = subprocess.Popen(
-                [sys.executable, "-m", "raftstore", "--config", str(self.config_path), "--node", alias],
+                [
+                    sys.executable,
+                    "-m",
+                    "raftstore",
+                    "--config",
+                    str(self.config_path),
+                    "--node",
+                    alias,
+                ],
                 cwd=REPO,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -179,7 +193,7 @@ class LocalCluster:
         ]
 
     def stop(self) -> None:
-        for alias, node in self.nodes.items():
+        for node in self.nodes.values():
             if node.process is None or node.process.poll() is not None:
                 continue
             try:
@@ -187,7 +201,7 @@ class LocalCluster:
             except ProcessLookupError:
                 continue
             node.process.terminate()
-        for alias, node in self.nodes.items():
+        for node in self.nodes.values():
             if node.process is None:
                 continue
             try:
@@ -222,7 +236,9 @@ class LocalCluster:
         return address.rsplit(":", 1)[1]
 
     def status(self, alias: str) -> dict[str, Any]:
-        document: dict[str, Any] = json.loads(self.stub(alias).GetNodeStatus(pb.Empty(), timeout=5).json)
+        document: dict[str, Any] = json.loads(
+            self.stub(alias).GetNodeStatus(pb.Empty(), timeout=5).json
+        )
         return document
 
     def group_status(self, alias: str, group: int) -> dict[str, Any]:
@@ -237,7 +253,9 @@ class LocalCluster:
         def agreed() -> str | None:
             leaders = set()
             for alias in self.alive():
-                reply = self.stub(alias).GetStreamingLeader(pb.GroupRequest(raft_group=group), timeout=2)
+                reply = self.stub(alias).GetStreamingLeader(
+                    pb.GroupRequest(raft_group=group), timeout=2
+                )
                 leaders.add(reply.leader)
             if len(leaders) != 1 or "" in leaders:
                 return None
@@ -245,10 +263,18 @@ class LocalCluster:
             status = self.group_status(alias, group)
             return alias if status["role"] == "leader" else None
 
-        return wait_until(agreed, timeout_s=timeout_s, interval_s=0.1, message=f"leader of group {group}")
+        return wait_until(
+            agreed, timeout_s=timeout_s, interval_s=0.1, message=f"leader of group {group}"
+        )
 
     def create_table(
-        self, table: str, schema: pa.Schema, *, group: int = 2, key_column: str = "", cache_limit: int = 100_000
+        self,
+        table: str,
+        schema: pa.Schema,
+        *,
+        group: int = 2,
+        key_column: str = "",
+        cache_limit: int = 100_000,
     ) -> None:
         def create() -> bool:
             leader = self.leader(group)
@@ -273,7 +299,9 @@ class LocalCluster:
 
     def read_table(self, alias: str, table: str) -> pa.Table:
         batches: list[pa.RecordBatch] = []
-        for message in self.stub(alias).Read(pb.ReadRequest(table=table, offset_from=0, offset_to=-1), timeout=120):
+        for message in self.stub(alias).Read(
+            pb.ReadRequest(table=table, offset_from=0, offset_to=-1), timeout=120
+        ):
             batches.extend(read_stream(message.payload).to_batches())
         return pa.Table.from_batches(batches) if batches else pa.table({})
 
@@ -288,7 +316,9 @@ class AckedPublisher:
     keyed table a retry after a lost ack is deduplicated by the cluster, not by this class.
     """
 
-    def __init__(self, cluster: LocalCluster, table: str, schema: pa.Schema, group: int = 2) -> None:
+    def __init__(
+        self, cluster: LocalCluster, table: str, schema: pa.Schema, group: int = 2
+    ) -> None:
         self.cluster = cluster
         self.table = table
         self.schema = schema
@@ -305,9 +335,7 @@ class AckedPublisher:
                 continue
             if pa.types.is_floating(field_.type):
                 columns[field_.name] = pa.array([first_key * 0.5] * rows, field_.type)
-            elif pa.types.is_integer(field_.type):
-                columns[field_.name] = pa.array([first_key] * rows, field_.type)
-            elif pa.types.is_timestamp(field_.type):
+            elif pa.types.is_integer(field_.type) or pa.types.is_timestamp(field_.type):
                 columns[field_.name] = pa.array([first_key] * rows, field_.type)
             else:
                 columns[field_.name] = pa.array([f"s{first_key}"] * rows, field_.type)
@@ -322,7 +350,9 @@ class AckedPublisher:
                 raise AssertionError(f"batch {first_key}: no node is alive")
             alias = self._leader if self._leader in alive else alive[0]
             try:
-                self.cluster.stub(alias).Publish(pb.PublishRequest(table=self.table, payload=payload), timeout=15)
+                self.cluster.stub(alias).Publish(
+                    pb.PublishRequest(table=self.table, payload=payload), timeout=15
+                )
                 self.acked.extend(range(first_key, first_key + rows))
                 return
             except grpc.RpcError as error:
@@ -336,11 +366,15 @@ class AckedPublisher:
                     index = alive.index(alias) if alias in alive else -1
                     self._leader = alive[(index + 1) % len(alive)] if alive else None
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"batch {first_key} never acknowledged: {error}") from error
+                    raise AssertionError(
+                        f"batch {first_key} never acknowledged: {error}"
+                    ) from error
                 time.sleep(0.05)
 
 
-def assert_replicas_hold_exactly(cluster: LocalCluster, table: str, acked: list[int], key: str = "id") -> None:
+def assert_replicas_hold_exactly(
+    cluster: LocalCluster, table: str, acked: list[int], key: str = "id"
+) -> None:
     """Every acknowledged row is present exactly once, in the same order, on every replica."""
     tables = {alias: cluster.read_table(alias, table) for alias in cluster.alive()}
     reference: list[int] | None = None
@@ -348,7 +382,9 @@ def assert_replicas_hold_exactly(cluster: LocalCluster, table: str, acked: list[
         keys = data.column(key).to_pylist() if data.num_rows else []
         assert len(keys) == len(set(keys)), f"{alias}: duplicated rows"
         missing = set(acked) - set(keys)
-        assert not missing, f"{alias}: {len(missing)} acknowledged rows lost, e.g. {sorted(missing)[:5]}"
+        assert not missing, (
+            f"{alias}: {len(missing)} acknowledged rows lost, e.g. {sorted(missing)[:5]}"
+        )
         if reference is None:
             reference = keys
         else:

@@ -55,7 +55,9 @@ def test_publish_to_follower_raises_not_leader_with_address(cluster: LocalCluste
     follower = next(alias for alias in cluster.alive() if alias != leader)
     payload = ipc_stream(AckedPublisher(cluster, "ticks", SCHEMA).batch(0, 10))
     with pytest.raises(grpc.RpcError) as raised:
-        cluster.stub(follower).Publish(pb.PublishRequest(table="ticks", payload=payload), timeout=10)
+        cluster.stub(follower).Publish(
+            pb.PublishRequest(table="ticks", payload=payload), timeout=10
+        )
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     metadata = dict(raised.value.trailing_metadata())
     assert metadata["hastream-error"] == "NotLeader"
@@ -91,7 +93,9 @@ def test_leader_killed_twice_while_publishing_keeps_every_acked_row(cluster: Loc
     assert_replicas_hold_exactly(cluster, "ticks", publisher.acked)
 
 
-def test_kill_all_nodes_during_load_with_purging_loses_nothing(fast_purge_cluster: LocalCluster) -> None:
+def test_kill_all_nodes_during_load_with_purging_loses_nothing(
+    fast_purge_cluster: LocalCluster,
+) -> None:
     cluster = fast_purge_cluster
     cluster.create_table("ticks", SCHEMA, key_column="id")
     publisher = AckedPublisher(cluster, "ticks", SCHEMA)
@@ -111,7 +115,10 @@ def test_kill_all_nodes_during_load_with_purging_loses_nothing(fast_purge_cluste
     writer.start()
     leader = cluster.leader()
     wait_until(
-        lambda: cluster.group_status(leader, 2)["checkpoints_written"] >= 2 and len(publisher.acked) > 5000,
+        lambda: (
+            cluster.group_status(leader, 2)["checkpoints_written"] >= 2
+            and len(publisher.acked) > 5000
+        ),
         timeout_s=60,
         message="checkpoints under load",
     )
@@ -138,7 +145,11 @@ def test_stopped_follower_catches_up_across_checkpoints(fast_purge_cluster: Loca
     publisher.publish(0, 1000)
     leader = cluster.leader()
     follower = next(alias for alias in cluster.alive() if alias != leader)
-    wait_until(lambda: cluster.row_count(follower, "ticks") == 1000, timeout_s=30, message="follower has rows")
+    wait_until(
+        lambda: cluster.row_count(follower, "ticks") == 1000,
+        timeout_s=30,
+        message="follower has rows",
+    )
     cluster.signal(follower, signal.SIGSTOP)
     try:
         checkpoints = cluster.group_status(leader, 2)["checkpoints_written"]

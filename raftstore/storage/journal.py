@@ -115,7 +115,7 @@ class DurableJournal:
             if problem is not None:
                 self._torn_or_corrupt(view, position, problem)
                 return position
-            crc, length, idx, term = _RECORD_HEADER.unpack_from(view, position)
+            _, length, idx, term = _RECORD_HEADER.unpack_from(view, position)
             start = position + _RECORD_HEADER.size
             self._append_entry(bytes(view[start : start + length]), idx, term, position)
             position = start + length
@@ -124,7 +124,7 @@ class DurableJournal:
     def _check_record(self, view: memoryview, position: int) -> str | None:
         if position + _RECORD_HEADER.size > len(view):
             return "incomplete record header"
-        crc, length, idx, term = _RECORD_HEADER.unpack_from(view, position)
+        crc, length, idx, _ = _RECORD_HEADER.unpack_from(view, position)
         start = position + _RECORD_HEADER.size
         if start + length > len(view):
             return f"record of {length} bytes runs past end of file"
@@ -132,28 +132,27 @@ class DurableJournal:
         if computed != crc:
             return f"crc mismatch stored={crc:#x} computed={computed:#x}"
         if self._entries and idx != self._entries[-1][1] + 1:
-            return f"index {idx} does not follow {self._entries[-1][1]}"
+            # A valid record that breaks the index chain is never a torn write.
+            raise CorruptionError(
+                str(self._path), position, f"index {idx} does not follow {self._entries[-1][1]}"
+            )
         return None
 
     def _torn_or_corrupt(self, view: memoryview, position: int, problem: str) -> None:
-        # A torn write leaves the tail of the file: nothing valid after the bad record.
-        rest = bytes(view[position:])
-        _, length, _, _ = (
-            _RECORD_HEADER.unpack_from(view, position)
-            if position + _RECORD_HEADER.size <= len(view)
-            else (0, 0, 0, 0)
-        )
+        """A torn write is the last thing in the file: the failing record reaches the end of
+        the file, or only zero bytes follow it. Anything else is corruption."""
+        length = 0
+        if position + _RECORD_HEADER.size <= len(view):
+            _, length, _, _ = _RECORD_HEADER.unpack_from(view, position)
         record_end = position + _RECORD_HEADER.size + length
-        tail_only = record_end >= len(view) or not any(view[record_end:])
-        if tail_only or not any(rest[4:]):
-            log.warning(
-                "truncated torn journal tail path=%s position=%d detail=%s",
-                self._path,
-                position,
-                problem,
-            )
-            return
-        raise CorruptionError(str(self._path), position, problem)
+        if record_end < len(view) and any(view[record_end:]):
+            raise CorruptionError(str(self._path), position, problem)
+        log.warning(
+            "truncated torn journal tail path=%s position=%d detail=%s",
+            self._path,
+            position,
+            problem,
+        )
 
     def _append_entry(self, command: bytes, idx: int, term: int, position: int) -> None:
         self._entries.append((command, idx, term))
@@ -167,7 +166,9 @@ class DurableJournal:
             command = bytes(command)
         assert len(command) < COMMAND_BYTES_MAX
         if self._entries:
-            assert idx == self._entries[-1][1] + 1, f"journal gap: {idx} after {self._entries[-1][1]}"
+            assert idx == self._entries[-1][1] + 1, (
+                f"journal gap: {idx} after {self._entries[-1][1]}"
+            )
         position = os.lseek(self._fd, 0, os.SEEK_CUR)
         header, body = _encode_record(command, idx, term)
         written = os.writev(self._fd, [header, body])
@@ -178,11 +179,11 @@ class DurableJournal:
     def clear(self) -> None:
         self._truncate_to(0)
 
-    def deleteEntriesFrom(self, entry_from: int) -> None:  # noqa: N802 (pysyncobj's name)
+    def deleteEntriesFrom(self, entry_from: int) -> None:
         if entry_from < len(self._entries):
             self._truncate_to(entry_from)
 
-    def deleteEntriesTo(self, entry_to: int) -> None:  # noqa: N802 (pysyncobj's name)
+    def deleteEntriesTo(self, entry_to: int) -> None:
         """Drop the first `entry_to` entries (after a checkpoint): rewrite the rest into a new
         file, fsync it, rename it over the old one, fsync the directory."""
         if entry_to <= 0:
@@ -220,27 +221,27 @@ class DurableJournal:
         os.close(self._fd)
         self._fd = -1
 
-    def setRaftCommitIndex(self, raft_commit_index: int) -> None:  # noqa: N802
+    def setRaftCommitIndex(self, raft_commit_index: int) -> None:
         if self._meta.get("commit_index") != raft_commit_index:
             self._meta["commit_index"] = raft_commit_index
             self._meta_dirty = True
 
-    def getRaftCommitIndex(self) -> int:  # noqa: N802
+    def getRaftCommitIndex(self) -> int:
         return int(self._meta.get("commit_index", 1))
 
-    def setCurrentTerm(self, term: int, voted_for_node_id: Any) -> None:  # noqa: N802
+    def setCurrentTerm(self, term: int, voted_for_node_id: Any) -> None:
         # Raft: term and vote must be durable before any message reflecting them is sent.
         self._meta["term"] = term
         self._meta["voted_for"] = voted_for_node_id
         self._store_meta()
 
-    def getCurrentTerm(self) -> int:  # noqa: N802
+    def getCurrentTerm(self) -> int:
         return int(self._meta.get("term", 0))
 
-    def getVotedForNodeId(self) -> Any:  # noqa: N802
+    def getVotedForNodeId(self) -> Any:
         return self._meta.get("voted_for")
 
-    def onOneSecondTimer(self) -> None:  # noqa: N802
+    def onOneSecondTimer(self) -> None:
         self._store_meta_if_dirty()
 
     def flush(self) -> None:
