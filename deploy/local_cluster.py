@@ -1,0 +1,310 @@
+"""An ephemeral local cluster: `python -m raftstore` processes on loopback ports picked at
+run time, readiness from their log line, kill -9 / SIGSTOP of real processes, raw gRPC.
+
+Used by the tests, the benchmark and the main job. Nothing here mocks the cluster: every
+call crosses a real socket to a real node process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pyarrow as pa
+
+from proto import hastream_pb2 as pb
+from proto import hastream_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def wait_until(
+    predicate: Callable[[], T], *, timeout_s: float, interval_s: float = 0.05, message: str = ""
+) -> T:
+    """Poll `predicate` until it returns a truthy value; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as error:
+            last_error = error
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out after {timeout_s}s: {message} (last error: {last_error})"
+            )
+        time.sleep(interval_s)
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def ipc_stream(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def read_stream(payload: bytes) -> pa.Table:
+    return pa.ipc.open_stream(payload).read_all()
+
+
+@dataclass
+class NodeProcess:
+    alias: str
+    port: int
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    log_offset: int = 0  # where this incarnation's log begins
+
+
+@dataclass
+class LocalCluster:
+    root: Path
+    size: int = 3
+    groups: tuple[int, ...] = (2,)
+    purge_interval_s: float = 300.0
+    election_timeout_s: float = 1.0
+    nodes: dict[str, NodeProcess] = field(default_factory=dict)
+    _channels: dict[str, grpc.Channel] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        ports = free_ports(self.size * (1 + len(self.groups)))
+        aliases = [f"node{number}" for number in range(1, self.size + 1)]
+        lines = [
+            "streamingHAMode=raft",
+            "streamingRaftGroups="
+            + ",".join(f"{group}:" + ":".join(aliases) for group in self.groups),
+            f"persistenceDir={self.root}/<ALIAS>/persistence",
+            f"streamingHADir={self.root}/<ALIAS>/raftlog",
+            f"streamingHAPurgeInterval={self.purge_interval_s}",
+            f"streamingRaftElectionTimeout={self.election_timeout_s}",
+            "streamingRaftSecret=test-cluster-secret",
+        ]
+        for number, alias in enumerate(aliases):
+            port = ports[number]
+            raft = ",".join(
+                f"{group}:{ports[self.size * (1 + index) + number]}"
+                for index, group in enumerate(self.groups)
+            )
+            lines += [
+                f"{alias}.host=127.0.0.1",
+                f"{alias}.port={port}",
+                f"{alias}.raftPorts={raft}",
+            ]
+            self.nodes[alias] = NodeProcess(alias, port, self.root / f"{alias}.log")
+        self.config_path = self.root / "cluster.cfg"
+        self.config_path.write_text("\n".join(lines) + "\n")
+
+    # --- processes ---
+
+    def start(self) -> LocalCluster:
+        for alias in self.nodes:
+            self.start_node(alias, wait=False)
+        for alias in self.nodes:
+            self.wait_node_ready(alias)
+        return self
+
+    def start_node(self, alias: str, *, wait: bool = True) -> None:
+        node = self.nodes[alias]
+        node.log_offset = node.log_path.stat().st_size if node.log_path.exists() else 0
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        with node.log_path.open("ab") as log_file:
+            node.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "raftstore",
+                    "--config",
+                    str(self.config_path),
+                    "--node",
+                    alias,
+                ],
+                cwd=REPO,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        if wait:
+            self.wait_node_ready(alias)
+
+    def wait_node_ready(self, alias: str, timeout_s: float = 60) -> None:
+        node = self.nodes[alias]
+
+        def ready() -> bool:
+            assert node.process is not None
+            if node.process.poll() is not None:
+                raise AssertionError(f"{alias} exited: {self.log_tail(alias)}")
+            with node.log_path.open("rb") as log_file:
+                log_file.seek(node.log_offset)
+                return f"NODE READY alias={alias}".encode() in log_file.read()
+
+        wait_until(ready, timeout_s=timeout_s, message=f"{alias} ready")
+
+    def log_tail(self, alias: str, lines: int = 30) -> str:
+        text = self.nodes[alias].log_path.read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def signal(self, alias: str, signum: int) -> None:
+        process = self.nodes[alias].process
+        assert process is not None
+        os.kill(process.pid, signum)
+
+    def kill(self, alias: str) -> None:
+        """SIGKILL and reap."""
+        node = self.nodes[alias]
+        if node.process is not None and node.process.poll() is None:
+            node.process.kill()
+            node.process.wait(timeout=30)
+        self._drop_channel(alias)
+
+    def alive(self) -> list[str]:
+        return [
+            alias
+            for alias, node in self.nodes.items()
+            if node.process is not None and node.process.poll() is None
+        ]
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            if node.process is None or node.process.poll() is not None:
+                continue
+            try:
+                os.kill(node.process.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                continue
+            node.process.terminate()
+        for node in self.nodes.values():
+            if node.process is None:
+                continue
+            try:
+                node.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                node.process.kill()
+                node.process.wait(timeout=10)
+        for alias in list(self._channels):
+            self._drop_channel(alias)
+
+    # --- gRPC ---
+
+    def _drop_channel(self, alias: str) -> None:
+        channel = self._channels.pop(alias, None)
+        if channel is not None:
+            channel.close()
+
+    def stub(self, alias: str) -> hastream_pb2_grpc.StreamTableStub:
+        channel = self._channels.get(alias)
+        if channel is None:
+            channel = grpc.insecure_channel(
+                f"127.0.0.1:{self.nodes[alias].port}",
+                options=[
+                    ("grpc.max_receive_message_length", 64 << 20),
+                    ("grpc.max_send_message_length", 64 << 20),
+                ],
+            )
+            self._channels[alias] = channel
+        return hastream_pb2_grpc.StreamTableStub(channel)
+
+    def alias_of(self, address: str) -> str:
+        return address.rsplit(":", 1)[1]
+
+    def status(self, alias: str) -> dict[str, Any]:
+        document: dict[str, Any] = json.loads(
+            self.stub(alias).GetNodeStatus(pb.Empty(), timeout=5).json
+        )
+        return document
+
+    def group_status(self, alias: str, group: int) -> dict[str, Any]:
+        for entry in self.status(alias)["groups"]:
+            if entry["raft_group"] == group:
+                return dict(entry)
+        raise AssertionError(f"{alias} has no group {group}")
+
+    def leader(self, group: int = 2, timeout_s: float = 30) -> str:
+        """The alias every live node agrees leads `group`, once it can take writes."""
+
+        def agreed() -> str | None:
+            leaders = set()
+            for alias in self.alive():
+                reply = self.stub(alias).GetStreamingLeader(
+                    pb.GroupRequest(raft_group=group), timeout=2
+                )
+                leaders.add(reply.leader)
+            if len(leaders) != 1 or "" in leaders:
+                return None
+            alias = self.alias_of(leaders.pop())
+            status = self.group_status(alias, group)
+            return alias if status["role"] == "leader" else None
+
+        return wait_until(
+            agreed, timeout_s=timeout_s, interval_s=0.1, message=f"leader of group {group}"
+        )
+
+    def create_table(
+        self,
+        table: str,
+        schema: pa.Schema,
+        *,
+        group: int = 2,
+        key_column: str = "",
+        cache_limit: int = 100_000,
+    ) -> None:
+        def create() -> bool:
+            leader = self.leader(group)
+            try:
+                self.stub(leader).HaStreamTable(
+                    pb.CreateTableRequest(
+                        raft_group=group,
+                        table=table,
+                        schema_ipc=schema.serialize().to_pybytes(),
+                        cache_limit=cache_limit,
+                        key_column=key_column,
+                    ),
+                    timeout=15,
+                )
+            except grpc.RpcError as error:
+                if dict(error.trailing_metadata() or ()).get("hastream-error") == "TableExists":
+                    return True
+                raise
+            return True
+
+        wait_until(create, timeout_s=60, interval_s=0.2, message=f"create {table}")
+
+    def read_table(self, alias: str, table: str) -> pa.Table:
+        batches: list[pa.RecordBatch] = []
+        for message in self.stub(alias).Read(
+            pb.ReadRequest(table=table, offset_from=0, offset_to=-1), timeout=120
+        ):
+            batches.extend(read_stream(message.payload).to_batches())
+        return pa.Table.from_batches(batches) if batches else pa.table({})
+
+    def row_count(self, alias: str, table: str) -> int:
+        return int(self.stub(alias).GetTableInfo(pb.TableRequest(table=table), timeout=5).row_count)
