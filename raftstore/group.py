@@ -29,6 +29,7 @@ from typing import Any, Final, Protocol
 from raftstore import commands, limits
 from raftstore.batcher import Batcher
 from raftstore.errors import (
+    CorruptionError,
     LeadershipLost,
     NodeUnavailable,
     NotLeader,
@@ -113,6 +114,7 @@ class Group:
         self.published_rows = 0
         self.checkpoints_written = 0
         self.checkpoints_loaded = 0
+        self.corruptions_repaired = 0
         settings.data_dir.mkdir(parents=True, exist_ok=True)
 
     def attach(self, replica: Replica) -> None:
@@ -180,8 +182,12 @@ class Group:
     def _open_store(self, table: str, *, created_lsn: int) -> TableStore:
         view = self._machine.table(table)
         directory = self.settings.data_dir / table
-        store = TableStore(view.meta, directory)
-        first = next(iter(store.records(store.earliest_offset, store.row_count)), None)
+        try:
+            store = TableStore(view.meta, directory)
+            first = next(iter(store.records(store.earliest_offset, store.row_count)), None)
+        except CorruptionError as error:
+            store = self._quarantine(view, directory, error)
+            first = None
         if first is not None and first.lsn <= created_lsn:
             # Files left by an older table of the same name (dropped before a crash).
             log.warning("removing stale data files table=%s dir=%s", table, directory)
@@ -189,6 +195,22 @@ class Group:
             store = TableStore(view.meta, directory)
         self._stores[table] = store
         return store
+
+    def _quarantine(self, view: TableView, directory: Path, error: CorruptionError) -> TableStore:
+        """Corrupt data files are never served or skipped: move them aside and start the
+        table empty; the rows come back from the Raft log (replay) or from a peer (catch-up
+        after a checkpoint restore)."""
+        aside = directory.with_name(f"{directory.name}.corrupt-{int(time.time() * 1000)}")
+        log.error(
+            "corrupt data files group=%d table=%s moved_to=%s error=%s",
+            self.group_id,
+            view.meta.table,
+            aside,
+            error,
+        )
+        directory.rename(aside)
+        self.corruptions_repaired += 1
+        return TableStore(view.meta, directory)
 
     def on_role_change(self, is_leader: bool) -> None:
         with self._lock:
@@ -484,6 +506,7 @@ class Group:
             "catching_up": self._catching_up,
             "checkpoints_written": self.checkpoints_written,
             "checkpoints_loaded": self.checkpoints_loaded,
+            "corruptions_repaired": self.corruptions_repaired,
             "publish_queue_depth": 0 if self._batcher is None else self._batcher.queue_depth,
             "entries_proposed": 0 if self._batcher is None else self._batcher.entries_proposed,
             "published_rows": self.published_rows,

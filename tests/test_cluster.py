@@ -169,3 +169,39 @@ def test_stopped_follower_catches_up_across_checkpoints(fast_purge_cluster: Loca
     )
     assert cluster.group_status(follower, 2)["checkpoints_loaded"] >= 1, "no snapshot was installed"
     assert_replicas_hold_exactly(cluster, "ticks", publisher.acked)
+
+
+def test_corrupt_data_file_is_reported_and_repaired_from_a_peer(
+    fast_purge_cluster: LocalCluster,
+) -> None:
+    cluster = fast_purge_cluster
+    cluster.create_table("ticks", SCHEMA, key_column="id")
+    publisher = AckedPublisher(cluster, "ticks", SCHEMA)
+    for first_key in range(0, 5000, 500):
+        publisher.publish(first_key, 500)
+    leader = cluster.leader()
+    follower = next(alias for alias in cluster.alive() if alias != leader)
+    wait_until(
+        lambda: (
+            cluster.row_count(follower, "ticks") == 5000
+            and cluster.group_status(follower, 2)["checkpoints_written"] >= 1
+        ),
+        timeout_s=60,
+        message="follower checkpointed the rows",
+    )
+    cluster.kill(follower)
+    table_dir = cluster.root / follower / "persistence" / "group-2" / "ticks"
+    segment = sorted(table_dir.glob("seg-*.dat"))[0]
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte in the middle, not a torn tail
+    segment.write_bytes(bytes(data))
+    cluster.start_node(follower)
+    wait_until(
+        lambda: cluster.row_count(follower, "ticks") == 5000,
+        timeout_s=60,
+        message="corrupt follower repaired",
+    )
+    assert cluster.group_status(follower, 2)["corruptions_repaired"] == 1
+    assert list(table_dir.parent.glob("ticks.corrupt-*")), "corrupt files were not kept aside"
+    assert "corrupt data files" in cluster.log_tail(follower, lines=400)
+    assert_replicas_hold_exactly(cluster, "ticks", publisher.acked)
