@@ -43,12 +43,18 @@ class TableStore:
     # --- writes (tick thread) ---
 
     def append(self, lsn: int, first_offset: int, batch: pa.RecordBatch, timestamp_ms: int) -> bool:
-        """Append unless the data files already hold `lsn` (a replay after restart).
-        Returns whether it wrote."""
-        if lsn <= self.log.lsn_last:
-            assert first_offset < self.log.row_count, (
-                f"replayed lsn {lsn} claims offset {first_offset} beyond the data files "
-                f"({self.log.row_count} rows)"
+        """Append unless the data files already hold these rows (a replay after restart).
+        Returns whether it wrote.
+
+        Replays are recognised by offset, not LSN alone: one Raft entry (group commit) can
+        carry several batches for the same table, all with the entry's LSN."""
+        if first_offset < self.log.row_count:
+            assert lsn <= self.log.lsn_last, (
+                f"rows at offset {first_offset} already on disk but lsn {lsn} is new"
+            )
+            assert first_offset + batch.num_rows <= self.log.row_count, (
+                f"replayed rows [{first_offset}, {first_offset + batch.num_rows}) straddle "
+                f"the end of the data files ({self.log.row_count} rows)"
             )
             return False
         assert first_offset == self.log.row_count, (

@@ -151,11 +151,12 @@ def test_append_asserts_lsn_and_offset_chain(table_dir: Path) -> None:
     log = TableLog(table_dir)
     _append(log, 1)
     with pytest.raises(AssertionError):
-        log.append(DataRecord(1, 10, 1, 0, b"p"))  # LSN not increasing.
+        log.append(DataRecord(0, 10, 1, 0, b"p"))  # LSN going backwards.
+    log.append(DataRecord(1, 10, 1, 0, b"p"))  # One entry may carry several batches.
     with pytest.raises(AssertionError):
-        log.append(DataRecord(2, 11, 1, 0, b"p"))  # Gap in offsets.
+        log.append(DataRecord(2, 12, 1, 0, b"p"))  # Gap in offsets.
     with pytest.raises(AssertionError):
-        log.append(DataRecord(2, 10, 0, 0, b"p"))  # No rows.
+        log.append(DataRecord(2, 11, 0, 0, b"p"))  # No rows.
     log.close()
 
 

@@ -136,7 +136,7 @@ class _Segment:
     def add(self, header: RecordHeader, position: int) -> None:
         assert position == self.size, (position, self.size)
         assert header.first_offset == self.end_offset, (header.first_offset, self.end_offset)
-        assert header.lsn > self.lsn_last, (header.lsn, self.lsn_last)
+        assert header.lsn >= self.lsn_last, (header.lsn, self.lsn_last)
         self.offsets.append(header.first_offset)
         self.positions.append(position)
         self.lsns.append(header.lsn)
@@ -254,7 +254,7 @@ class TableLog:
         assert not self._closed
         if self._write_error is not None:
             raise self._write_error
-        assert record.lsn > self._lsn_last, (record.lsn, self._lsn_last)
+        assert record.lsn >= self._lsn_last, (record.lsn, self._lsn_last)
         assert record.first_offset == self._row_count, (record.first_offset, self._row_count)
         assert record.row_count >= 1, record.row_count
         parts = storage_format.encode_record(
@@ -633,8 +633,8 @@ def _scan(
         if header.first_offset != segment.end_offset:
             detail = f"record first_offset {header.first_offset} != {segment.end_offset}"
             return _ScanFailure(_Failure.CHAIN, position, detail)
-        if header.lsn <= max(lsn_prev, segment.lsn_last):
-            detail = f"record lsn {header.lsn} <= previous {max(lsn_prev, segment.lsn_last)}"
+        if header.lsn < max(lsn_prev, segment.lsn_last):
+            detail = f"record lsn {header.lsn} < previous {max(lsn_prev, segment.lsn_last)}"
             return _ScanFailure(_Failure.CHAIN, position, detail)
         segment.add(header, position)
         position = record_end
