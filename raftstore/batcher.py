@@ -36,7 +36,10 @@ class Batcher:
         ] = collections.deque()
         self._queued_bytes = 0
         self._condition = threading.Condition()
-        self._in_flight = threading.BoundedSemaphore(limits.PROPOSALS_IN_FLIGHT_MAX)
+        # Proposal number -> deadline. A slot is freed by the proposal's callback, or at its
+        # deadline: pysyncobj never calls back for entries a snapshot install wiped out.
+        self._in_flight: dict[int, float] = {}
+        self._proposals = 0
         self._closed = False
         self.entries_proposed = 0
         self.items_proposed = 0
@@ -72,35 +75,46 @@ class Batcher:
     def _run(self) -> None:  # the batcher's event loop: runs until close()
         while True:
             with self._condition:
-                while not self._queue and not self._closed:
-                    self._condition.wait()
+                while not self._closed and not (self._queue and self._slot_free()):
+                    self._condition.wait(timeout=0.1)
                 if self._closed:
                     return
-            # Wait for a free in-flight slot *before* draining, so publishes arriving
-            # meanwhile join this entry.
-            self._in_flight.acquire()
-            batch = self._drain()
-            if not batch:
-                self._in_flight.release()
-                continue
-            self._send(batch)
+                # Publishes that arrived while every slot was busy join this entry.
+                batch = self._drain()
+                self._proposals += 1
+                number = self._proposals
+                self._in_flight[number] = time.monotonic() + limits.PROPOSAL_TIMEOUT_S
+            self._send(number, batch)
+
+    def _slot_free(self) -> bool:
+        now = time.monotonic()
+        for number, deadline in list(self._in_flight.items()):
+            if deadline < now:
+                log.warning("proposal expired without a callback group=%d", self._group_id)
+                del self._in_flight[number]
+        return len(self._in_flight) < limits.PROPOSALS_IN_FLIGHT_MAX
+
+    def _release(self, number: int) -> None:
+        with self._condition:
+            self._in_flight.pop(number, None)
+            self._condition.notify()
 
     def _drain(self) -> list[tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]]:
+        """Take queued publishes for one entry (caller holds the condition)."""
         batch: list[tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]] = []
         size = 0
-        with self._condition:
-            while self._queue and len(batch) < limits.ENTRY_ITEMS_MAX:
-                item, future = self._queue[0]
-                if batch and size + len(item.payload) > limits.ENTRY_BYTES_MAX - limits.MIB:
-                    break
-                self._queue.popleft()
-                self._queued_bytes -= len(item.payload)
-                size += len(item.payload)
-                batch.append((item, future))
+        while self._queue and len(batch) < limits.ENTRY_ITEMS_MAX:
+            item, future = self._queue[0]
+            if batch and size + len(item.payload) > limits.ENTRY_BYTES_MAX - limits.MIB:
+                break
+            self._queue.popleft()
+            self._queued_bytes -= len(item.payload)
+            size += len(item.payload)
+            batch.append((item, future))
         return batch
 
     def _send(
-        self, batch: list[tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]]
+        self, number: int, batch: list[tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]]
     ) -> None:
         futures = [future for _, future in batch]
         command = commands.Append(
@@ -108,7 +122,7 @@ class Batcher:
         )
 
         def done(result: Any, error: RaftStoreError | None) -> None:
-            self._in_flight.release()
+            self._release(number)
             if error is None and not isinstance(result, AppendResult):
                 error = LeadershipLost("entry applied without a result (node catching up)")
             if error is not None:
@@ -123,7 +137,7 @@ class Batcher:
         self.items_proposed += len(batch)
         try:
             self._propose(commands.encode(command), done)
-        except Exception as error:
-            self._in_flight.release()
+        except Exception as error:  # handed to every waiting publisher
+            self._release(number)
             for future in futures:
                 future.set_exception(error)
