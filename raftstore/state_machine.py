@@ -349,7 +349,8 @@ class GroupStateMachine:
 
     def tables(self) -> list[TableView]:
         """Every table, sorted by name."""
-        return [self.table(name) for name in sorted(self._tables)]
+        states = sorted(self._tables.items())  # One atomic copy: apply may run meanwhile.
+        return [TableView(state.meta, state.row_count, state.lsn_last) for _, state in states]
 
     def topic_offset(self, topic: str) -> int | None:
         return self._topics.get(topic)

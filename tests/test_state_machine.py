@@ -877,6 +877,9 @@ class GroupModel(RuleBasedStateMachine):
         self.topics: dict[str, int] = {}
         # producer -> (last sequence, (first_offset, row_count, duplicates)); LRU order.
         self.producers: OrderedDict[bytes, tuple[int, tuple[int, int, int]]] = OrderedDict()
+        # Start with a keyed and an unkeyed table so most appends reach a table.
+        self.create("a", keyed=True)
+        self.create("b", keyed=False)
 
     @rule(table=st.sampled_from(TABLES), keyed=st.booleans())
     def create(self, table: str, keyed: bool) -> None:
@@ -1012,7 +1015,7 @@ class GroupModel(RuleBasedStateMachine):
 
 
 GroupModel.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=200,
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
