@@ -1,0 +1,292 @@
+"""A Docker deployment's plan: names, static addresses, ports, and its cluster.cfg.
+
+Pure apart from picking free ports and a free subnet (which ask the machine and the
+engine) and from `save`/`load`, which keep the plan in `<state-dir>/<name>/`:
+`deployment.json` (what the tool needs to find every object again) and `cluster.cfg`
+(what every container mounts; it holds the Raft secret, so the directory is private).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import secrets
+import socket
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from deploy.docker.images import NODE_TAG_DEFAULT, REPO
+from raftstore import config
+
+NAME_DEFAULT: Final = "hastream"
+STATE_DIR_DEFAULT: Final = REPO / ".run" / "docker"
+CONFIG_IN_CONTAINER: Final = "/etc/hastream/cluster.cfg"
+DATA_ROOT_IN_CONTAINER: Final = "/var/lib/hastream"
+RAFT_PORT_FIRST: Final = 9201  # Raft port of the first group, inside every container
+HOST_INDEX_FIRST: Final = 11  # node1 is .11 on the deployment's subnet
+SUBNET_POOL: Final = ipaddress.IPv4Network("10.213.0.0/16")  # /24s handed to deployments
+SUBNET_PREFIX: Final = 24
+
+
+class DeployError(Exception):
+    """The deployment did not reach the state asked for (a timeout, a missing node)."""
+
+
+class NodeExited(DeployError):
+    """A node's container stopped before it was ready. `log_tail` holds its last lines."""
+
+    def __init__(self, alias: str, container: str, log_tail: str) -> None:
+        self.alias = alias
+        self.log_tail = log_tail
+        super().__init__(f"node {alias} (container {container}) exited before it was ready")
+
+
+# ---------------------------------------------------------------------------------------
+# The plan: names, ports, addresses (pure apart from picking free ports and a subnet)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeSpec:
+    alias: str
+    container: str  # also the node's host in cluster.cfg
+    ip: str  # static address on the cluster network
+    port: int  # client gRPC port: the same number in the container and on the host
+    raft_ports: tuple[tuple[int, int], ...]  # (group id, port) inside the container
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Deployment:
+    name: str
+    image: str
+    subnet: str
+    publish_host: str  # host address the client ports are published on
+    group_ids: tuple[int, ...]
+    election_timeout_s: float
+    purge_interval_s: float
+    nodes: tuple[NodeSpec, ...]
+    state_dir: Path  # holds cluster.cfg and deployment.json
+
+    @property
+    def network(self) -> str:
+        return f"{self.name}-net"
+
+    @property
+    def config_path(self) -> Path:
+        return self.state_dir / "cluster.cfg"
+
+    @property
+    def aliases(self) -> list[str]:
+        return [node.alias for node in self.nodes]
+
+    def node(self, alias: str) -> NodeSpec:
+        for node in self.nodes:
+            if node.alias == alias:
+                return node
+        known = ", ".join(self.aliases)
+        raise DeployError(f"deployment {self.name} has no node {alias!r} (nodes: {known})")
+
+    def volume(self, alias: str, kind: str) -> str:
+        assert kind in ("data", "raftlog"), kind
+        return f"{self.name}-{alias}-{kind}"
+
+    def site(self, alias: str) -> str:
+        """`host:port` a client on this machine uses for node `alias`."""
+        host = "127.0.0.1" if self.publish_host in ("0.0.0.0", "") else self.publish_host
+        return f"{host}:{self.node(alias).port}"
+
+    def alias_of(self, address: str) -> str | None:
+        """The alias in a `host:port:alias` leader address, if it is one of ours."""
+        alias = address.rsplit(":", 1)[-1] if address.count(":") == 2 else ""
+        return alias if alias in self.aliases else None
+
+
+def sites(deployment: Deployment) -> list[str]:
+    """Every node's published client site, for `connect(..., highAvailabilitySites=...)`."""
+    return [deployment.site(alias) for alias in deployment.aliases]
+
+
+def free_ports(count: int, host: str = "127.0.0.1", exclude: Iterable[int] = ()) -> list[int]:
+    """`count` distinct ports that are free on `host` now (bound together, then released)."""
+    excluded = set(exclude)
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        for _ in range(count * 4):  # bounded: a port in `excluded` is skipped, not retried
+            sock = socket.socket()
+            sock.bind((host if host != "0.0.0.0" else "", 0))
+            sockets.append(sock)
+            port = sock.getsockname()[1]
+            if port not in excluded:
+                ports.append(port)
+            if len(ports) == count:
+                return ports
+    finally:
+        for sock in sockets:
+            sock.close()
+    raise DeployError(f"could not find {count} free ports on {host}")
+
+
+def _host_routes() -> list[ipaddress.IPv4Network]:
+    """IPv4 networks routed on this machine (Linux /proc/net/route), to avoid a subnet
+    that would shadow one of them."""
+    routes: list[ipaddress.IPv4Network] = []
+    try:
+        lines = Path("/proc/net/route").read_text().splitlines()[1:]
+    except OSError:
+        return routes
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 8:
+            continue
+        destination = int(fields[1], 16).to_bytes(4, "little")
+        mask = int(fields[7], 16).to_bytes(4, "little")
+        network = f"{ipaddress.IPv4Address(destination)}/{ipaddress.IPv4Address(mask)}"
+        routes.append(ipaddress.IPv4Network(network, strict=False))
+    return [route for route in routes if route.prefixlen > 0]
+
+
+def _docker_subnets(client: Any) -> list[ipaddress.IPv4Network]:
+    used = []
+    for network in client.networks.list():
+        for entry in (network.attrs.get("IPAM") or {}).get("Config") or []:
+            subnet = entry.get("Subnet", "")
+            if subnet and ":" not in subnet:
+                used.append(ipaddress.IPv4Network(subnet, strict=False))
+    return used
+
+
+def pick_subnet(client: Any, name: str) -> str:
+    """A /24 of SUBNET_POOL that no Docker network and no host route overlaps. The search
+    starts at a place derived from `name`, so concurrent deployments rarely collide."""
+    used = [*_docker_subnets(client), *_host_routes()]
+    candidates = list(ipaddress.IPv4Network(SUBNET_POOL).subnets(new_prefix=SUBNET_PREFIX))
+    start = zlib.crc32(name.encode()) % len(candidates)
+    for index in range(len(candidates)):
+        candidate = candidates[(start + index) % len(candidates)]
+        if not any(candidate.overlaps(other) for other in used):
+            return str(candidate)
+    raise DeployError(f"no free /{SUBNET_PREFIX} left in {SUBNET_POOL}; pass --subnet")
+
+
+def plan(
+    client: Any,
+    *,
+    name: str = NAME_DEFAULT,
+    state_root: Path = STATE_DIR_DEFAULT,
+    image: str = NODE_TAG_DEFAULT,
+    node_count: int = 3,
+    group_ids: Sequence[int] = (2, 3),
+    ports: Sequence[int] | None = None,
+    publish_host: str = "127.0.0.1",
+    subnet: str | None = None,
+    election_timeout_s: float = 1.5,
+    purge_interval_s: float = 300.0,
+) -> Deployment:
+    """A new deployment: names, static addresses, client ports (free ones unless given)."""
+    if node_count < 3:
+        raise DeployError(f"a Raft group needs at least 3 nodes, got {node_count}")
+    raft_ports = tuple(
+        (group_id, RAFT_PORT_FIRST + index) for index, group_id in enumerate(group_ids)
+    )
+    reserved = {port for _, port in raft_ports}
+    if ports is None:
+        ports = free_ports(node_count, publish_host, exclude=reserved)
+    if len(ports) != node_count or len(set(ports)) != node_count:
+        raise DeployError(f"need {node_count} distinct client ports, got {list(ports)}")
+    if reserved.intersection(ports):
+        raise DeployError(f"client ports {sorted(reserved & set(ports))} are Raft ports")
+    network = ipaddress.IPv4Network(subnet or pick_subnet(client, name))
+    if network.num_addresses < HOST_INDEX_FIRST + node_count + 1:
+        raise DeployError(f"subnet {network} is too small for {node_count} nodes")
+    nodes = tuple(
+        NodeSpec(
+            alias=f"node{number}",
+            container=f"{name}-node{number}",
+            ip=str(network.network_address + HOST_INDEX_FIRST + number - 1),
+            port=ports[number - 1],
+            raft_ports=raft_ports,
+        )
+        for number in range(1, node_count + 1)
+    )
+    return Deployment(
+        name=name,
+        image=image,
+        subnet=str(network),
+        publish_host=publish_host,
+        group_ids=tuple(group_ids),
+        election_timeout_s=election_timeout_s,
+        purge_interval_s=purge_interval_s,
+        nodes=nodes,
+        state_dir=state_root / name,
+    )
+
+
+def render_config(deployment: Deployment, secret: str) -> str:
+    """The deployment's cluster.cfg (what every container mounts)."""
+    aliases = ":".join(deployment.aliases)
+    lines = [
+        f"# Generated by deploy.docker.tool for deployment {deployment.name}; do not edit:",
+        "# `down --volumes` deletes it, `up` writes a new one.",
+        "streamingHAMode=raft",
+        "streamingRaftGroups=" + ",".join(f"{g}:{aliases}" for g in deployment.group_ids),
+        f"persistenceDir={DATA_ROOT_IN_CONTAINER}/<ALIAS>/persistence",
+        f"streamingHADir={DATA_ROOT_IN_CONTAINER}/<ALIAS>/raftlog",
+        f"streamingHAPurgeInterval={deployment.purge_interval_s:g}",
+        f"streamingRaftElectionTimeout={deployment.election_timeout_s:g}",
+        f"streamingRaftSecret={secret}",
+    ]
+    for node in deployment.nodes:
+        raft = ",".join(f"{group}:{port}" for group, port in node.raft_ports)
+        lines += [
+            "",
+            f"{node.alias}.host={node.container}",
+            f"{node.alias}.port={node.port}",
+            f"{node.alias}.raftPorts={raft}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def save(deployment: Deployment) -> None:
+    """Writes cluster.cfg (with a new random Raft secret) and deployment.json, and checks
+    the cfg with the node's own parser. The directory is private: the cfg holds the secret."""
+    deployment.state_dir.mkdir(parents=True, exist_ok=True)
+    deployment.state_dir.chmod(0o700)
+    deployment.config_path.write_text(render_config(deployment, secrets.token_urlsafe(24)))
+    config.load(deployment.config_path)  # raises ConfigError naming file, key and value
+    document = asdict(deployment)
+    document["state_dir"] = str(deployment.state_dir)
+    path = deployment.state_dir / "deployment.json"
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def load(name: str = NAME_DEFAULT, state_root: Path = STATE_DIR_DEFAULT) -> Deployment | None:
+    """The saved deployment `name`, or None if there is none."""
+    path = state_root / name / "deployment.json"
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    nodes = tuple(
+        NodeSpec(
+            alias=node["alias"],
+            container=node["container"],
+            ip=node["ip"],
+            port=int(node["port"]),
+            raft_ports=tuple((int(g), int(p)) for g, p in node["raft_ports"]),
+        )
+        for node in document["nodes"]
+    )
+    return Deployment(
+        name=document["name"],
+        image=document["image"],
+        subnet=document["subnet"],
+        publish_host=document["publish_host"],
+        group_ids=tuple(int(g) for g in document["group_ids"]),
+        election_timeout_s=float(document["election_timeout_s"]),
+        purge_interval_s=float(document["purge_interval_s"]),
+        nodes=nodes,
+        state_dir=Path(document["state_dir"]),
+    )

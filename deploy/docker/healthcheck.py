@@ -1,0 +1,78 @@
+"""The node container's health check: healthy when every Raft group of the node has a leader.
+
+    python -m deploy.docker.healthcheck [--node ALIAS] [--config PATH]
+
+Asks the node itself (GetStreamingLeader over gRPC, inside the container) for the leader
+of each of its groups. Exit 0 when all have one, 1 otherwise (Docker's contract), with one
+line on stdout that `docker inspect` shows. Imports only grpc, the generated proto code
+and the config parser, so it costs little every few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from typing import Final
+
+import grpc
+
+from proto import hastream_pb2, hastream_pb2_grpc
+from raftstore import config
+from raftstore.errors import ConfigError
+
+CONFIG_DEFAULT: Final = "/etc/hastream/cluster.cfg"
+RPC_TIMEOUT_S: Final = 2.0
+EXIT_HEALTHY: Final = 0
+EXIT_UNHEALTHY: Final = 1
+
+
+def local_target(host: str, port: int) -> str:
+    """Where to reach this node from inside its container. The deployment maps the node's
+    own name to 0.0.0.0 (listen on every interface); connect to loopback then."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return f"{host}:{port}"
+    return f"127.0.0.1:{port}" if address == "0.0.0.0" else f"{address}:{port}"
+
+
+def leaders(target: str, group_ids: tuple[int, ...]) -> dict[int, str]:
+    """group id -> leader (`host:port:alias`, "" while unknown) as the node sees it."""
+    with grpc.insecure_channel(target) as channel:
+        stub = hastream_pb2_grpc.StreamTableStub(channel)  # type: ignore[no-untyped-call]
+        found = {}
+        for group_id in group_ids:
+            request = hastream_pb2.GroupRequest(raft_group=group_id)
+            found[group_id] = stub.GetStreamingLeader(request, timeout=RPC_TIMEOUT_S).leader
+        return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.docker.healthcheck")
+    parser.add_argument("--node", default=os.environ.get("HASTREAM_NODE"))
+    parser.add_argument("--config", default=os.environ.get("HASTREAM_CONFIG", CONFIG_DEFAULT))
+    args = parser.parse_args(argv)
+    try:
+        node = config.load(args.config).node(args.node or "")
+    except ConfigError as error:
+        print(f"unhealthy: config error: {error}")
+        return EXIT_UNHEALTHY
+    target = local_target(node.host, node.port)
+    try:
+        found = leaders(target, node.group_ids)
+    except grpc.RpcError as error:
+        code = error.code().name if isinstance(error, grpc.Call) else "error"
+        print(f"unhealthy: {target} does not answer ({code})")
+        return EXIT_UNHEALTHY
+    text = " ".join(f"group {group}: {leader or 'none'}" for group, leader in found.items())
+    if all(found.values()):
+        print(f"healthy: {text}")
+        return EXIT_HEALTHY
+    print(f"unhealthy: no leader: {text}")
+    return EXIT_UNHEALTHY
+
+
+if __name__ == "__main__":
+    sys.exit(main())

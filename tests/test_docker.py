@@ -1,0 +1,478 @@
+"""A three-node cluster in real Docker containers, driven by `deploy.docker.tool`.
+
+Every docker test runs its own deployment (unique network, volumes and containers, removed
+at the end) on images built once per session (and skipped when their inputs hash has not
+changed since an earlier run). Clients reach the nodes through the published ports only.
+Each test ends by reading every node directly (the raw gRPC Read on its published port) and
+checking that every acknowledged row is there exactly once, in the same order everywhere.
+Skipped, with the reason, when no Docker engine answers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pyarrow as pa
+import pytest
+
+from api_clients import Publisher, Session
+from deploy.docker import client as docker_client_module
+from deploy.docker import deployment as plans
+from deploy.docker import images, tool
+from deploy.docker.deployment import Deployment
+from proto import hastream_pb2, hastream_pb2_grpc
+from raftstore import config
+
+log = logging.getLogger(__name__)
+
+RUN_ID = secrets.token_hex(3)
+GROUP = 2
+ELECTION_TIMEOUT_S = 1.0
+# What raftstore/replication.py configures: a leader cut off from the majority steps down.
+LEADER_FALLBACK_TIMEOUT_S = max(2 * ELECTION_TIMEOUT_S, 1.0)
+SCHEMA = pa.schema([("id", pa.int64()), ("ts", pa.timestamp("ms")), ("value", pa.float64())])
+BATCH_ROWS = 25
+CONVERGE_TIMEOUT_S = 60.0
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> Iterator[Any]:
+    try:
+        import docker
+
+        engine = docker.from_env()
+        engine.ping()
+    except Exception as error:
+        pytest.skip(f"no Docker engine answers docker.from_env().ping(): {error}")
+    yield engine
+    _sweep(engine)  # anything a failed teardown left behind
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def node_image(docker_engine: Any) -> str:
+    """Base and node images, built once per session (cached across runs by inputs hash)."""
+    started = time.monotonic()
+    images.ensure_images(docker_engine)
+    log.info("images ready seconds=%.1f", time.monotonic() - started)
+    return images.NODE_TAG_DEFAULT
+
+
+@pytest.fixture
+def deployment(docker_engine: Any, node_image: str, tmp_path: Path) -> Iterator[Deployment]:
+    """A running three-node deployment with a unique name; removed with its volumes."""
+    name = f"hst{RUN_ID}-{secrets.token_hex(2)}"
+    planned = plans.plan(
+        docker_engine,
+        name=name,
+        state_root=tmp_path,
+        image=node_image,
+        election_timeout_s=ELECTION_TIMEOUT_S,
+    )
+    plans.save(planned)
+    try:
+        tool.up(docker_engine, planned)
+        yield planned
+    finally:
+        for alias in planned.aliases:
+            print(f"--- {alias} log tail ---\n{tool.log_tail(docker_engine, planned, alias, 30)}")
+        tool.down(docker_engine, planned, volumes=True)
+
+
+def _sweep(engine: Any) -> None:
+    """Remove every container, network and volume of this run's deployments."""
+    prefix = f"hst{RUN_ID}-"
+
+    def ours(item: Any) -> bool:
+        labels = item.attrs.get("Labels") or item.attrs.get("Config", {}).get("Labels") or {}
+        return str(labels.get(tool.LABEL_DEPLOYMENT, "")).startswith(prefix)
+
+    for item in engine.containers.list(all=True, filters={"label": tool.LABEL_DEPLOYMENT}):
+        if ours(item):
+            item.remove(force=True)
+    for network in engine.networks.list(filters={"label": tool.LABEL_DEPLOYMENT}):
+        if ours(network):
+            network.remove()
+    for volume in engine.volumes.list(filters={"label": tool.LABEL_DEPLOYMENT}):
+        if ours(volume):
+            volume.remove(force=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """Poll until `predicate` returns a truthy value; fail with `what` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def rows(first_id: int, count: int) -> pa.Table:
+    ids = list(range(first_id, first_id + count))
+    now_ms = int(time.time() * 1000)
+    return pa.table(
+        {"id": ids, "ts": [now_ms] * count, "value": [float(i) / 10 for i in ids]},
+        schema=SCHEMA,
+    )
+
+
+def create_table(session: Session, table: str) -> None:
+    session.haStreamTable(GROUP, SCHEMA, table, cacheLimit=10_000, keyColumn="id")
+
+
+class BackgroundPublisher:
+    """Publishes batches of fresh ids through one HA session until stopped; records the
+    ids of every acknowledged batch. Failed appends (a deadline during a failover) are
+    counted and the next batch goes on: their rows may or may not be committed."""
+
+    def __init__(self, session: Session, table: str) -> None:
+        self._publisher = Publisher(session, table)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._acked: list[int] = []
+        self.failures: list[str] = []
+        self._next_id = 1_000_000
+        self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+
+    def __enter__(self) -> BackgroundPublisher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive(), "publisher thread did not stop"
+
+    @property
+    def acked(self) -> list[int]:
+        with self._lock:
+            return list(self._acked)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            batch = rows(self._next_id, BATCH_ROWS)
+            self._next_id += BATCH_ROWS
+            try:
+                result = self._publisher.append(batch)
+            except Exception as error:  # recorded: the test decides what is acceptable
+                self.failures.append(repr(error))
+                continue
+            assert result.row_count + result.duplicates == BATCH_ROWS, result
+            with self._lock:
+                self._acked.extend(batch.column("id").to_pylist())
+
+    def wait_acked(self, count: int, timeout_s: float) -> None:
+        wait_for(lambda: len(self.acked) >= count, timeout_s, f"{count} acknowledged rows")
+
+
+def stub(deployment: Deployment, alias: str) -> tuple[grpc.Channel, Any]:
+    channel = grpc.insecure_channel(
+        deployment.site(alias),
+        options=[("grpc.max_receive_message_length", 64 << 20)],
+    )
+    return channel, hastream_pb2_grpc.StreamTableStub(channel)  # type: ignore[no-untyped-call]
+
+
+def read_ids(deployment: Deployment, alias: str, table: str) -> list[int]:
+    """Every row id node `alias` holds, in offset order, read from that node alone."""
+    channel, node = stub(deployment, alias)
+    ids: list[int] = []
+    with channel:
+        request = hastream_pb2.ReadRequest(table=table, offset_from=0, offset_to=-1)
+        for message in node.Read(request, timeout=60):
+            assert message.first_offset == len(ids), (alias, message.first_offset, len(ids))
+            batch = pa.ipc.open_stream(message.payload).read_all()
+            ids.extend(batch.column("id").to_pylist())
+    return ids
+
+
+def row_count(deployment: Deployment, alias: str, table: str) -> int | None:
+    channel, node = stub(deployment, alias)
+    with channel:
+        try:
+            info = node.GetTableInfo(hastream_pb2.TableRequest(table=table), timeout=2)
+        except grpc.RpcError:
+            return None
+    return int(info.row_count)
+
+
+def wait_converged(deployment: Deployment, table: str, rows_min: int) -> int:
+    """Wait until every node holds the same number of rows, at least `rows_min`."""
+
+    def converged() -> int | None:
+        counts = {row_count(deployment, alias, table) for alias in deployment.aliases}
+        if len(counts) != 1 or None in counts:
+            return None
+        (count,) = counts
+        return count if count is not None and count >= rows_min else None
+
+    return int(wait_for(converged, CONVERGE_TIMEOUT_S, f"replicas of {table} to converge"))
+
+
+def assert_every_ack_once_on_every_replica(
+    deployment: Deployment, table: str, acked: list[int]
+) -> None:
+    assert acked, "the test acknowledged no rows"
+    wait_converged(deployment, table, len(acked))
+    replicas = {alias: read_ids(deployment, alias, table) for alias in deployment.aliases}
+    reference = replicas[deployment.aliases[0]]
+    for alias, ids in replicas.items():
+        duplicates = len(ids) - len(set(ids))
+        assert duplicates == 0, f"{alias}: {duplicates} rows present more than once"
+        missing = set(acked) - set(ids)
+        assert not missing, f"{alias}: {len(missing)} acknowledged rows missing"
+        assert ids == reference, f"{alias} differs from {deployment.aliases[0]}"
+
+
+def group_leader(deployment: Deployment) -> str:
+    return str(wait_for(lambda: tool.leader_alias(deployment, GROUP), 30, "a group leader"))
+
+
+# Runs inside the cut-off node's container, where its gRPC port is still reachable on
+# loopback (the container has no other network left). Right after the cut it publishes one
+# row while the node may still call itself leader (it must not be acknowledged: no majority
+# can commit it); then it waits until the node steps down, publishes again (it must be
+# refused with NotLeader), and prints what happened as JSON. Wall-clock times are shared
+# with the host (containers use the host's clock).
+MINORITY_PROBE = """
+import json, sys, threading, time, grpc, pyarrow as pa
+from proto import hastream_pb2 as pb, hastream_pb2_grpc as rpc
+from raftstore import errors
+port, group, table = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+cut_at, deadline_s = float(sys.argv[4]), float(sys.argv[5])
+stub = rpc.StreamTableStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+schema = pa.schema([("id", pa.int64()), ("ts", pa.timestamp("ms")), ("value", pa.float64())])
+def role():
+    document = json.loads(stub.GetNodeStatus(pb.Empty(), timeout=3).json)
+    return next(g["role"] for g in document["groups"] if g["raft_group"] == group)
+def rows():
+    return stub.GetTableInfo(pb.TableRequest(table=table), timeout=3).row_count
+def publish(row_id):
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_table(pa.table({"id": [row_id], "ts": [0], "value": [0.0]}, schema=schema))
+    try:
+        stub.Publish(pb.PublishRequest(table=table, payload=sink.getvalue().to_pybytes()),
+                     timeout=20)
+        return "accepted"
+    except grpc.RpcError as error:
+        typed = errors.from_wire(dict(error.trailing_metadata() or ()))
+        return type(typed).__name__ if typed is not None else error.code().name
+result = {"started_after_cut_s": time.time() - cut_at, "first_role": role(), "rows_before": rows()}
+early = {}
+thread = threading.Thread(target=lambda: early.update(outcome=publish(-1)))
+thread.start()  # blocks until the proposal fails; meanwhile watch the node step down
+while role() == "leader" and time.time() - cut_at < deadline_s:
+    time.sleep(0.05)
+result["role"], result["not_leader_after_cut_s"] = role(), time.time() - cut_at
+thread.join()
+result["early_publish"] = early["outcome"]
+result["early_publish_done_after_cut_s"] = time.time() - cut_at
+result["late_publish"] = publish(-2)
+result["rows_after"] = rows()
+print(json.dumps(result))
+"""
+
+
+def start_probe(
+    engine: Any, deployment: Deployment, alias: str, table: str, cut_at: float
+) -> Callable[[], dict[str, Any]]:
+    """Starts MINORITY_PROBE in node `alias`'s container; returns a function that waits for
+    its JSON result."""
+    item = engine.containers.get(deployment.node(alias).container)
+    port = str(deployment.node(alias).port)
+    deadline_s = str(LEADER_FALLBACK_TIMEOUT_S + 20)
+    command = ["python", "-c", MINORITY_PROBE, port, str(GROUP), table, str(cut_at), deadline_s]
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        outcome["result"] = item.exec_run(command)
+
+    thread = threading.Thread(target=run, name="minority-probe", daemon=True)
+    thread.start()
+
+    def result() -> dict[str, Any]:
+        thread.join(timeout=90)
+        assert "result" in outcome, "the probe in the cut-off container did not finish"
+        output = outcome["result"].output.decode(errors="replace")
+        assert outcome["result"].exit_code == 0, output
+        document: dict[str, Any] = json.loads(output.strip().splitlines()[-1])
+        return document
+
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# Tests without an engine
+
+
+@pytest.mark.unit
+def test_generated_cluster_cfg_is_accepted_by_the_node_parser(tmp_path: Path) -> None:
+    planned = plans.plan(
+        None, name="unit", state_root=tmp_path, ports=[18901, 18902, 18903], subnet="10.9.8.0/24"
+    )
+    plans.save(planned)
+    cluster = config.load(planned.config_path)
+    assert [node.host for node in cluster.nodes] == [n.container for n in planned.nodes]
+    assert [node.port for node in cluster.nodes] == [18901, 18902, 18903]
+    assert plans.load("unit", tmp_path) == planned
+    assert planned.config_path.parent.stat().st_mode & 0o077 == 0  # it holds the secret
+
+
+@pytest.mark.unit
+def test_compose_cluster_cfg_matches_the_compose_file() -> None:
+    cluster = config.load(REPO / "deploy" / "docker" / "cluster.cfg")
+    compose = (REPO / "deploy" / "docker" / "docker-compose.yml").read_text()
+    for node in cluster.nodes:
+        assert f"  {node.host}:\n    <<: *node" in compose, node.host  # host = service name
+        assert f':{node.port}:{node.port}"' in compose, node.port  # same port in and out
+        assert f"HASTREAM_NODE: {node.alias}" in compose, node.alias
+        assert f'"{node.host}:0.0.0.0"' in compose, node.host  # it binds every interface
+        for group_id, port in node.raft_ports:
+            assert port not in {other.port for other in cluster.nodes}, (group_id, port)
+
+
+@pytest.mark.unit
+def test_address_map_turns_container_hints_into_published_sites() -> None:
+    session = docker_client_module.AddressMappedSession(
+        ["127.0.0.1:18901"], {"hs-node2:18902": "127.0.0.1:18902"}
+    )
+    assert session.map_address("hs-node2:18902:node2") == "127.0.0.1:18902:node2"
+    assert session.map_address("other:1:x") == "other:1:x"
+    assert session.learn_site("hs-node2:18902:node2") == "127.0.0.1:18902"
+    assert session.sites == ["127.0.0.1:18901", "127.0.0.1:18902"]
+
+
+# ---------------------------------------------------------------------------------------
+# Tests on the real engine
+
+
+@pytest.mark.docker
+@pytest.mark.cluster  # slow: `pytest -m "not cluster"` stays fast
+def test_publish_through_published_ports_reaches_every_replica(deployment: Deployment) -> None:
+    table = "dockerTicks"
+    with docker_client_module.connect(deployment) as session:
+        create_table(session, table)
+        publisher = Publisher(session, table)
+        acked: list[int] = []
+        for first in range(0, 500, 100):
+            result = publisher.append(rows(first, 100))
+            assert result.row_count == 100
+            acked.extend(range(first, first + 100))
+        leader = session.getStreamingLeader(GROUP)
+    # The node names itself by its cfg host: the container name, with the published port.
+    alias = group_leader(deployment)
+    node = deployment.node(alias)
+    assert leader == f"{node.container}:{node.port}:{alias}"
+    assert_every_ack_once_on_every_replica(deployment, table, acked)
+
+
+@pytest.mark.docker
+@pytest.mark.cluster
+def test_killed_leader_container_fails_over_and_restart_catches_up(
+    docker_engine: Any, deployment: Deployment
+) -> None:
+    table = "killTicks"
+    with docker_client_module.connect(deployment) as session:
+        create_table(session, table)
+        with BackgroundPublisher(session, table) as publisher:
+            publisher.wait_acked(200, 30)
+            old_leader = group_leader(deployment)
+            tool.kill(docker_engine, deployment, old_leader)
+            killed_at = len(publisher.acked)
+            killed_s = time.monotonic()
+            publisher.wait_acked(killed_at + 200, 60)  # publishing goes on without it
+            log.info("publishing resumed after kill seconds=%.1f", time.monotonic() - killed_s)
+            new_leader = group_leader(deployment)
+            assert new_leader != old_leader
+            tool.restart(docker_engine, deployment, old_leader)
+            restarted_at = len(publisher.acked)
+            publisher.wait_acked(restarted_at + 100, 30)
+        acked = publisher.acked
+    # The restarted node caught up from its volumes and its peers: the same rows.
+    assert row_count(deployment, old_leader, table) is not None
+    assert_every_ack_once_on_every_replica(deployment, table, acked)
+
+
+@pytest.mark.docker
+@pytest.mark.cluster
+def test_partitioned_leader_refuses_writes_and_loses_no_acknowledged_row(
+    docker_engine: Any, deployment: Deployment
+) -> None:
+    table = "partitionTicks"
+    with docker_client_module.connect(deployment) as session:
+        create_table(session, table)
+        with BackgroundPublisher(session, table) as publisher:
+            publisher.wait_acked(200, 30)
+            old_leader = group_leader(deployment)
+            cut_at = time.time()
+            assert tool.partition(docker_engine, deployment, old_leader)
+            probe = start_probe(docker_engine, deployment, old_leader, table, cut_at)
+            acked_at_cut = len(publisher.acked)
+            new_leader = group_leader(deployment)  # a majority names it, it answers as leader
+            assert new_leader != old_leader
+            publisher.wait_acked(acked_at_cut + 200, 60)  # the majority side takes the writes
+            outcome = probe()
+            log.info("cut-off leader probe: %s", outcome)
+            # Cut off, the old leader acknowledged nothing: not while it still believed it
+            # led, and, once past its fallback timeout, it refused writes as NotLeader.
+            assert outcome["early_publish"] != "accepted", outcome
+            assert outcome["late_publish"] == "NotLeader", outcome
+            assert outcome["rows_after"] == outcome["rows_before"], outcome
+            assert outcome["role"] != "leader", outcome
+            assert outcome["not_leader_after_cut_s"] < LEADER_FALLBACK_TIMEOUT_S + 3, outcome
+            assert tool.heal(docker_engine, deployment, old_leader)
+            healed_at = len(publisher.acked)
+            publisher.wait_acked(healed_at + 100, 30)
+        acked = publisher.acked
+    assert not {-1, -2} & set(read_ids(deployment, old_leader, table))
+    assert_every_ack_once_on_every_replica(deployment, table, acked)
+
+
+@pytest.mark.docker
+@pytest.mark.cluster
+def test_down_then_up_keeps_the_data_in_volumes(docker_engine: Any, deployment: Deployment) -> None:
+    table = "durableTicks"
+    with docker_client_module.connect(deployment) as session:
+        create_table(session, table)
+        Publisher(session, table).append(rows(0, 300))
+    acked = list(range(300))
+    assert_every_ack_once_on_every_replica(deployment, table, acked)
+
+    tool.down(docker_engine, deployment)  # keeps volumes and the generated cfg
+    assert not docker_engine.containers.list(all=True, filters={"name": deployment.name})
+    for alias in deployment.aliases:
+        docker_engine.volumes.get(deployment.volume(alias, "data"))
+        docker_engine.volumes.get(deployment.volume(alias, "raftlog"))
+    reloaded = plans.load(deployment.name, deployment.state_dir.parent)
+    assert reloaded == deployment
+    tool.up(docker_engine, reloaded)
+
+    assert_every_ack_once_on_every_replica(deployment, table, acked)
+    with docker_client_module.connect(deployment) as session:  # the table needs no re-creation
+        result = Publisher(session, table).append(rows(300, 100))
+    assert result.first_offset == 300
+    assert_every_ack_once_on_every_replica(deployment, table, list(range(400)))
