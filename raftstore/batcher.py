@@ -39,6 +39,7 @@ class Batcher:
         # Proposal number -> deadline. A slot is freed by the proposal's callback, or at its
         # deadline: pysyncobj never calls back for entries a snapshot install wiped out.
         self._in_flight: dict[int, float] = {}
+        self._waiting: dict[int, list[Future[tuple[int, ItemResult]]]] = {}
         self._proposals = 0
         self._closed = False
         self.entries_proposed = 0
@@ -84,6 +85,7 @@ class Batcher:
                 self._proposals += 1
                 number = self._proposals
                 self._in_flight[number] = time.monotonic() + limits.PROPOSAL_TIMEOUT_S
+                self._waiting[number] = [future for _, future in batch]
             self._send(number, batch)
 
     def _slot_free(self) -> bool:
@@ -97,7 +99,16 @@ class Batcher:
     def _release(self, number: int) -> None:
         with self._condition:
             self._in_flight.pop(number, None)
+            self._waiting.pop(number, None)
             self._condition.notify()
+
+    def fail_in_flight(self, error: RaftStoreError) -> None:
+        """Answer every publish waiting for commit with `error` (leadership was lost: their
+        outcome is unknown, and a deduplicated retry on the new leader is safe)."""
+        with self._condition:
+            waiting = [future for futures in self._waiting.values() for future in futures]
+        for future in waiting:
+            _settle(future, error=error)
 
     def _drain(self) -> list[tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]]:
         """Take queued publishes for one entry (caller holds the condition)."""
@@ -127,11 +138,11 @@ class Batcher:
                 error = LeadershipLost("entry applied without a result (node catching up)")
             if error is not None:
                 for future in futures:
-                    future.set_exception(error)
+                    _settle(future, error=error)
                 return
             assert len(result.items) == len(futures), "one result per packed item"
             for future, item_result in zip(futures, result.items, strict=True):
-                future.set_result((result.lsn, item_result))
+                _settle(future, result=(result.lsn, item_result))
 
         self.entries_proposed += 1
         self.items_proposed += len(batch)
@@ -140,4 +151,15 @@ class Batcher:
         except Exception as error:  # handed to every waiting publisher
             self._release(number)
             for future in futures:
-                future.set_exception(error)
+                _settle(future, error=error)
+
+
+def _settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete `future` once; later completions (a commit after leadership loss) are
+    dropped. Only the tick thread completes futures, so check-then-set does not race."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -111,6 +111,7 @@ class Group:
         self._catch_up_done = threading.Event()
         self._pending: list[tuple[int, bytes]] = []
         self._subscribers: dict[str, int] = {}  # topic -> open subscriptions (this node)
+        self._waiting: set[Future[Any]] = set()  # proposals of create/drop/offsets
         self.published_rows = 0
         self.checkpoints_written = 0
         self.checkpoints_loaded = 0
@@ -216,6 +217,14 @@ class Group:
         with self._lock:
             self.epoch += 1
             stores = list(self._stores.values())
+            waiting = list(self._waiting)
+        if not is_leader:
+            lost = LeadershipLost("this node stepped down before the entry committed")
+            if self._batcher is not None:
+                self._batcher.fail_in_flight(lost)
+            for future in waiting:
+                if not future.done():
+                    future.set_exception(lost)
         for store in stores:
             store.wake()  # subscriptions notice the new epoch and close
 
@@ -422,6 +431,10 @@ class Group:
         future: Future[Any] = Future()
 
         def done(result: Any, error: RaftStoreError | None) -> None:
+            with self._lock:
+                self._waiting.discard(future)
+            if future.done():  # already failed by a step-down
+                return
             if error is not None:
                 future.set_exception(error)
             elif result is None:
@@ -429,8 +442,14 @@ class Group:
             else:
                 future.set_result(result)
 
+        with self._lock:
+            self._waiting.add(future)
         self.replica.propose(commands.encode(command), done)
-        return self._wait(future)
+        try:
+            return self._wait(future)
+        finally:
+            with self._lock:
+                self._waiting.discard(future)
 
     def _wait(self, future: Future[Any]) -> Any:
         try:
