@@ -1,0 +1,248 @@
+"""Spark <-> HA stream table throughput, beside the plain Python client on the same cluster.
+
+    python -m bench.spark_bench [--rows 1000000] [--repeat 2]
+
+On a fresh local three-node cluster (group 2) and a local[2] SparkSession it measures, for
+`--rows` rows of 11 columns (long, string, int, long, double, double, uuid-like string,
+bool, timestamp, date, 20-char string) written to HA tables keyed by `id`:
+- `df.write.format("hastream")` (DataSourceArrowWriter, 2 tasks), batchRows 10000 and 50000;
+- the plain client: `Publisher.append` of the same Arrow rows, 10000 rows per request, with
+  1 and 2 publisher threads;
+- `spark.readStream.format("hastream")` with `availableNow` (micro-batches of 200000 rows)
+  into the `noop` sink, and a batch `spark.read` into `noop`;
+- the plain client: `Session.read` of the whole range, and a `subscribe` from offset 0.
+Each figure is the best of `--repeat` runs (fresh tables for writes). Prints a Markdown
+table; the machine's load average is printed too, since other work shares the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from deploy.local_cluster import LocalCluster, wait_until
+
+SCHEMA = pa.schema(
+    [
+        ("id", pa.int64()),
+        ("sym", pa.string()),
+        ("qty", pa.int32()),
+        ("volume", pa.int64()),
+        ("price", pa.float64()),
+        ("bid", pa.float64()),
+        ("uid", pa.string()),
+        ("active", pa.bool_()),
+        ("ts", pa.timestamp("ms")),
+        ("day", pa.date32()),
+        ("note", pa.string()),
+    ]
+)
+COLUMNS = (
+    "id",
+    "concat('SYM', cast(id % 500 AS string)) AS sym",
+    "cast(id % 1000 AS int) AS qty",
+    "id * 7 AS volume",
+    "id * 0.01D AS price",
+    "id * 0.01D - 0.005D AS bid",
+    "md5(cast(id AS string)) AS uid",
+    "id % 2 = 0 AS active",
+    "timestamp_millis(1700000000000 + id) AS ts",
+    "date_add(DATE'2024-01-01', cast(id % 365 AS int)) AS day",
+    "lpad(cast(id AS string), 20, 'x') AS note",
+)
+CLIENT_BATCH_ROWS = 10_000
+
+
+def best_of(repeat: int, run: Callable[[int], float]) -> float:
+    """The shortest of `repeat` timed runs; `run(attempt)` returns its seconds."""
+    return min(run(attempt) for attempt in range(repeat))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.spark_bench")
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    from spark_publisher.local import local_spark
+
+    spark = local_spark("hastream-bench", cores=2, memory="2g")
+    root = Path(tempfile.mkdtemp(prefix="spark-bench-"))
+    cluster = LocalCluster(root / "cluster")
+    try:
+        cluster.start()
+        cluster.leader()
+        results = run_all(spark, cluster, root, args.rows, args.repeat)
+    finally:
+        spark.stop()
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)  # Gigabytes of Raft log and data files.
+    print(f"\nrows={args.rows:,} columns=11 repeat={args.repeat} load={os.getloadavg()}")
+    print("| path | seconds | rows/s |")
+    print("|---|---|---|")
+    for name, seconds in results:
+        print(f"| {name} | {seconds:.2f} | {args.rows / seconds:,.0f} |")
+
+
+def run_all(
+    spark: Any, cluster: LocalCluster, root: Path, rows: int, repeat: int
+) -> list[tuple[str, float]]:
+    from api_clients import Publisher, Session
+
+    sites = ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes.values())
+    client = Session(sites.split(","))
+    frame = spark.range(rows, numPartitions=2).selectExpr(*COLUMNS).cache()
+    frame.count()
+    arrow_rows = frame.toArrow().cast(SCHEMA)
+    tables = iter(range(10_000))
+
+    def new_table() -> str:
+        name = f"bench{next(tables)}"
+        client.haStreamTable(2, SCHEMA, name, cacheLimit=100_000, keyColumn="id")
+        # Wait until every node has applied the creation, that is, has caught up with the
+        # previous run's writes: a node that has not answers TableNotFound (not NotLeader)
+        # to a publish, and leaders change under this load. It also keeps one run's
+        # follower catch-up out of the next run's time.
+        settle_started = time.perf_counter()
+        wait_until(
+            lambda: all(cluster.row_count(alias, name) == 0 for alias in cluster.alive()),
+            timeout_s=600,
+            interval_s=0.2,
+            message=f"{name} created on every node",
+        )
+        print(f"{name}: followers settled in {time.perf_counter() - settle_started:.1f}s")
+        client.getStreamingLeader(2)  # Publishes from this process go straight to the leader.
+        return name
+
+    def timed(action: Callable[[], object]) -> float:
+        started = time.perf_counter()
+        action()
+        return time.perf_counter() - started
+
+    def spark_write(batch_rows: int) -> Callable[[int], float]:
+        def run(attempt: int) -> float:
+            name = new_table()
+            writer = (
+                frame.write.format("hastream")
+                .option("sites", sites)
+                .option("table", name)
+                .option("batchRows", batch_rows)
+                .mode("append")
+            )
+            seconds = timed(writer.save)
+            assert client.getTableInfo(name).row_count == rows or fresh_count(client, name) == rows
+            return seconds
+
+        return run
+
+    def client_write(threads: int) -> Callable[[int], float]:
+        def run(attempt: int) -> float:
+            name = new_table()
+            share = -(-rows // threads)
+
+            errors: list[BaseException] = []
+
+            def publish(part: int) -> None:
+                try:
+                    publisher = Publisher(client, name)
+                    piece = arrow_rows.slice(part * share, share)
+                    for start in range(0, piece.num_rows, CLIENT_BATCH_ROWS):
+                        publisher.append(piece.slice(start, CLIENT_BATCH_ROWS))
+                except BaseException as error:
+                    errors.append(error)
+                    raise
+
+            workers = [threading.Thread(target=publish, args=(part,)) for part in range(threads)]
+
+            def go() -> None:
+                for worker in workers:
+                    worker.start()
+                for worker in workers:
+                    worker.join()
+
+            seconds = timed(go)
+            assert not errors, errors
+            assert fresh_count(client, name) == rows
+            return seconds
+
+        return run
+
+    results: list[tuple[str, float]] = []
+    results.append(("df.write hastream, batchRows 10000", best_of(repeat, spark_write(10_000))))
+    results.append(("df.write hastream, batchRows 50000", best_of(repeat, spark_write(50_000))))
+    results.append(("client Publisher.append, 10000-row requests, 1 thread",
+                    best_of(repeat, client_write(1))))  # fmt: skip
+    results.append(("client Publisher.append, 10000-row requests, 2 threads",
+                    best_of(repeat, client_write(2))))  # fmt: skip
+    source = new_table()
+    Publisher(client, source).append(arrow_rows)
+    assert fresh_count(client, source) == rows
+
+    def stream_read(attempt: int) -> float:
+        query = (
+            spark.readStream.format("hastream")
+            .option("sites", sites)
+            .option("table", source)
+            .option("startingOffsets", "earliest")
+            .option("maxRowsPerTrigger", 200_000)
+            .load()
+            .writeStream.format("noop")
+            .option("checkpointLocation", str(root / f"checkpoint-{attempt}"))
+            .trigger(availableNow=True)
+        )
+
+        def go() -> None:
+            started = query.start()
+            started.awaitTermination()
+            assert sum(p["numInputRows"] for p in started.recentProgress) == rows
+
+        return timed(go)
+
+    def batch_read(attempt: int) -> float:
+        reader = spark.read.format("hastream").option("sites", sites).option("table", source)
+        return timed(lambda: reader.load().write.format("noop").mode("overwrite").save())
+
+    def client_read(attempt: int) -> float:
+        return timed(lambda: client.read(source, 0, rows))
+
+    def client_subscribe(attempt: int) -> float:
+        done = threading.Event()
+        seen = [0]
+
+        def handler(message: pa.Table, first_offset: int) -> None:
+            seen[0] += message.num_rows
+            if seen[0] >= rows:
+                done.set()
+
+        def go() -> None:
+            client.subscribe(source, handler, offset=0, actionName=f"bench{attempt}",
+                             persistOffset=False)  # fmt: skip
+            assert done.wait(300)
+            client.unsubscribe(source, f"bench{attempt}")
+
+        return timed(go)
+
+    results.append(("readStream hastream, availableNow, 200000 rows/trigger, noop sink",
+                    best_of(repeat, stream_read)))  # fmt: skip
+    results.append(("spark.read hastream, noop sink", best_of(repeat, batch_read)))
+    results.append(("client Session.read of the whole range", best_of(repeat, client_read)))
+    results.append(("client subscribe from offset 0", best_of(repeat, client_subscribe)))
+    frame.unpersist()
+    return results
+
+
+def fresh_count(client: Any, table: str) -> int:
+    client.getStreamingLeader(2)
+    return int(client.getTableInfo(table).row_count)
+
+
+if __name__ == "__main__":
+    main()

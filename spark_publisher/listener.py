@@ -1,0 +1,130 @@
+"""Persisting a streaming query's hastream offset as soon as each micro-batch commits.
+
+Spark calls a source's `commit(end)` for micro-batch N only when it plans micro-batch N+1
+with new data, and never for the last micro-batch of a run, so the offset the source
+persists lags by one micro-batch (PYSPARK-FACTS.md section 2). A StreamingQueryListener
+sees every micro-batch's `endOffset` on the driver right after the batch commits; this one
+persists `endOffset - 1` (the last processed row) for the action, through Raft.
+
+    listener = HAStreamOffsetListener("h1:8901,h2:8902", "t", action="agg", query_name="agg")
+    spark.streams.addListener(listener)
+    spark.readStream.format("hastream")...writeStream.queryName("agg")...start()
+
+Best effort: a failure is logged and the next micro-batch persists a later offset. Spark's
+checkpoint stays the source of truth for a restarted query.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any
+
+from pyspark.sql.streaming.listener import StreamingQueryListener
+
+from api_clients import RaftStoreError
+from spark_publisher import clients
+from spark_publisher.options import parse
+from spark_publisher.source import PLANNING_TIMEOUT_S, commit_offset, table_info
+
+log = logging.getLogger(__name__)
+
+
+class HAStreamOffsetListener(StreamingQueryListener):
+    """Persists the end offset of the hastream source of `table` after every micro-batch.
+
+    Spark describes a Python streaming source only by its class (no name, no options), so
+    the query is matched by its name (`writeStream.queryName(...)`), and its one Python
+    streaming source whose offsets look like hastream's is taken. With several Python
+    sources in one query, pass `source_index` (its position in `progress.sources`).
+    Runs on the driver's listener thread; `persisted` is the last offset it stored.
+    """
+
+    def __init__(
+        self,
+        sites: str,
+        table: str,
+        action: str = "spark",
+        *,
+        query_name: str,
+        source_index: int | None = None,
+        timeout_s: float = PLANNING_TIMEOUT_S,
+    ) -> None:
+        super().__init__()
+        self._options = parse(
+            {"sites": sites, "table": table, "action": action, "timeoutSec": str(timeout_s)}
+        )
+        self._query_name = query_name
+        self._source_index = source_index
+        self._lock = threading.Lock()
+        self.persisted: int | None = None
+        self.failures = 0
+
+    def onQueryStarted(self, event: Any) -> None:
+        pass
+
+    def onQueryIdle(self, event: Any) -> None:
+        pass
+
+    def onQueryTerminated(self, event: Any) -> None:
+        pass
+
+    def onQueryProgress(self, event: Any) -> None:
+        progress = event.progress
+        if progress.name != self._query_name:
+            return
+        sources = list(progress.sources)
+        if self._source_index is not None:
+            if self._source_index < len(sources):
+                end = _end_offset(sources[self._source_index])
+                if end is not None:
+                    self._persist(end - 1)
+            return
+        ends = [
+            end
+            for source in sources
+            if is_python_stream_source(source.description)
+            and (end := _end_offset(source)) is not None
+        ]
+        if len(ends) == 1:
+            self._persist(ends[0] - 1)
+        elif len(ends) > 1:
+            log.warning(
+                "query %s has %d Python streaming sources: pass source_index",
+                progress.name,
+                len(ends),
+            )
+
+    def _persist(self, last: int) -> None:
+        with self._lock:
+            if last < 0 or last == self.persisted:
+                return
+            options = self._options
+            client = clients.session(options.sites, options.timeout_s)
+            try:
+                if self.persisted is None:
+                    table_info(options, fresh=True)  # Route CommitOffset to the leader.
+                commit_offset(client, options, last, options.timeout_s)
+            except RaftStoreError as error:
+                self.failures += 1
+                log.warning("offset %d of %s not persisted: %s", last, options.topic, error)
+                return
+            self.persisted = last
+
+
+def is_python_stream_source(description: str) -> bool:
+    """Whether a source progress `description` is a Python Data Source stream (Spark names
+    only the class: `...python.PythonMicroBatchStream...@1a2b3c`)."""
+    return "PythonMicroBatchStream" in description
+
+
+def _end_offset(source: Any) -> int | None:
+    """The end offset N of a source progress whose offsets are `{"offset": N}`."""
+    try:
+        end = json.loads(source.endOffset or "null")
+    except ValueError:
+        return None
+    if not isinstance(end, dict) or set(end) != {"offset"} or not isinstance(end["offset"], int):
+        return None
+    return int(end["offset"])

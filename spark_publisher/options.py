@@ -1,0 +1,254 @@
+"""The `hastream` data source's options, parsed once into a frozen value.
+
+Pure: no I/O, no Spark. Spark hands a data source its options as a case-insensitive map of
+strings; `parse` turns it into `HAStreamOptions` or raises `OptionError` naming the option,
+the value and what is allowed, so a typo fails on the driver before any task runs.
+
+Option names follow Spark's Kafka connector (`startingOffsets`, `endingOffsets`,
+`maxRowsPerTrigger`). Offsets are table row offsets: row N is the N-th row appended since
+the table was created; a range `[start, end)` is half-open.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+log = logging.getLogger(__name__)
+
+ACTION_DEFAULT: Final = "spark"
+BATCH_ROWS_DEFAULT: Final = 10_000
+# One publish request holds at most this many rows (raftstore.limits.BATCH_ROWS_MAX).
+BATCH_ROWS_MAX: Final = 1_000_000
+NUM_PARTITIONS_DEFAULT: Final = 2
+NUM_PARTITIONS_MAX: Final = 4096
+# A read partition holds at least this many rows unless the range is smaller: splitting a
+# small micro-batch over many tasks costs more in task overhead than it saves.
+PARTITION_ROWS_MIN: Final = 10_000
+TIMEOUT_S_DEFAULT: Final = 60.0  # Longer than an election plus a proposal timeout.
+TIMEOUT_S_MAX: Final = 3600.0
+ACTION_BYTES_MAX: Final = 128  # raftstore.limits.ACTION_NAME_BYTES_MAX
+TABLE_BYTES_MAX: Final = 128  # raftstore.limits.TABLE_NAME_BYTES_MAX
+IDEMPOTENCY_TOKEN_BYTES_MAX: Final = 1024
+
+KNOWN_OPTIONS: Final = (
+    "sites",
+    "table",
+    "action",
+    "startingOffsets",
+    "endingOffsets",
+    "maxRowsPerTrigger",
+    "batchRows",
+    "numPartitions",
+    "timeoutSec",
+    "idempotencyToken",
+)
+# Options Spark itself puts into a source's or sink's option map.
+_SPARK_OPTIONS: Final = frozenset({"path", "checkpointlocation", "queryname"})
+
+
+class OptionError(ValueError):
+    """A `hastream` option is missing or malformed. Raised on the driver, before any task."""
+
+    def __init__(self, option: str, value: str | None, detail: str) -> None:
+        self.option = option
+        self.value = value
+        self.detail = detail
+        shown = "missing" if value is None else f"{value!r}"
+        super().__init__(f"hastream option {option}={shown}: {detail}")
+
+
+class Position(enum.Enum):
+    """A named starting or ending position."""
+
+    EARLIEST = "earliest"  # The earliest row still retained.
+    LATEST = "latest"  # The table's row count when the query (or batch read) starts.
+    PERSISTED = "persisted"  # After the action's offset persisted in the cluster.
+
+
+# A position is a name or an explicit row offset (>= 0).
+Offset = Position | int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HAStreamOptions:
+    sites: tuple[str, ...]  # host:port[:alias], in the order given.
+    table: str
+    action: str
+    starting_offsets: Offset | None  # None: the default of the read kind.
+    ending_offsets: Offset  # Batch reads only: LATEST or a row offset.
+    max_rows_per_trigger: int | None
+    batch_rows: int
+    num_partitions: int
+    timeout_s: float
+    idempotency_token: str | None  # Batch writes: a stable job id, so a re-run is deduplicated.
+
+    @property
+    def topic(self) -> str:
+        """The cluster-side topic whose processed offset this action persists."""
+        return f"{self.table}/{self.action}"
+
+
+def parse(options: Mapping[str, str]) -> HAStreamOptions:
+    """Parses Spark's option map (keys in any case). Raises OptionError."""
+    values = {str(key).lower(): str(value) for key, value in options.items()}
+    _check_unknown(values)
+    return HAStreamOptions(
+        sites=_sites(values.get("sites")),
+        table=_name("table", values.get("table"), TABLE_BYTES_MAX),
+        action=_name("action", values.get("action", ACTION_DEFAULT), ACTION_BYTES_MAX),
+        starting_offsets=_starting(values.get("startingoffsets")),
+        ending_offsets=_ending(values.get("endingoffsets")),
+        max_rows_per_trigger=_optional_int(
+            "maxRowsPerTrigger", values.get("maxrowspertrigger"), 1, 2**62
+        ),
+        batch_rows=_int(
+            "batchRows", values.get("batchrows"), BATCH_ROWS_DEFAULT, 1, BATCH_ROWS_MAX
+        ),
+        num_partitions=_int(
+            "numPartitions",
+            values.get("numpartitions"),
+            NUM_PARTITIONS_DEFAULT,
+            1,
+            NUM_PARTITIONS_MAX,
+        ),
+        timeout_s=_timeout(values.get("timeoutsec")),
+        idempotency_token=_token(values.get("idempotencytoken")),
+    )
+
+
+def _check_unknown(values: Mapping[str, str]) -> None:
+    """A name close to a known option is a typo: refuse it (a silently ignored
+    `startingOffset` would start from the default). Other unknown names are logged."""
+    known = {name.lower(): name for name in KNOWN_OPTIONS}
+    for key in values:
+        if key in known or key in _SPARK_OPTIONS:
+            continue
+        close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.8)
+        if close:
+            raise OptionError(key, values[key], f"unknown option; did you mean {known[close[0]]}?")
+        log.warning("ignoring unknown hastream option %s", key)
+
+
+def _sites(text: str | None) -> tuple[str, ...]:
+    if text is None or not text.strip():
+        raise OptionError("sites", text, "required: a comma-separated list of host:port")
+    sites = tuple(part.strip() for part in text.split(",") if part.strip())
+    for site in sites:
+        parts = site.split(":")
+        if len(parts) not in (2, 3) or not parts[0] or not parts[1].isdigit():
+            raise OptionError("sites", text, f"{site!r} is not host:port or host:port:alias")
+        if not 0 < int(parts[1]) < 65536:
+            raise OptionError("sites", text, f"{site!r} has a port outside 1..65535")
+    return sites
+
+
+def _name(option: str, text: str | None, bytes_max: int) -> str:
+    if text is None or not text.strip():
+        raise OptionError(option, text, "required")
+    name = text.strip()
+    if len(name.encode()) > bytes_max:
+        raise OptionError(option, text, f"longer than {bytes_max} bytes")
+    if "/" in name and option == "action":
+        raise OptionError(option, text, "must not contain '/'")
+    return name
+
+
+def _offset_number(option: str, text: str) -> int:
+    try:
+        offset = int(text)
+    except ValueError:
+        return -1
+    if offset < 0:
+        raise OptionError(option, text, "a row offset must be >= 0")
+    return offset
+
+
+def _starting(text: str | None) -> Offset | None:
+    if text is None:
+        return None
+    word = text.strip().lower()
+    for position in Position:
+        if word == position.value:
+            return position
+    offset = _offset_number("startingOffsets", word)
+    if offset < 0:
+        raise OptionError(
+            "startingOffsets", text, "expected earliest, latest, persisted or a row offset >= 0"
+        )
+    return offset
+
+
+def _ending(text: str | None) -> Offset:
+    if text is None:
+        return Position.LATEST
+    word = text.strip().lower()
+    if word == Position.LATEST.value:
+        return Position.LATEST
+    offset = _offset_number("endingOffsets", word)
+    if offset < 0:
+        raise OptionError("endingOffsets", text, "expected latest or a row offset >= 0")
+    return offset
+
+
+def _int(option: str, text: str | None, default: int, low: int, high: int) -> int:
+    value = _optional_int(option, text, low, high)
+    return default if value is None else value
+
+
+def _optional_int(option: str, text: str | None, low: int, high: int) -> int | None:
+    if text is None:
+        return None
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise OptionError(option, text, "not an integer") from None
+    if not low <= value <= high:
+        raise OptionError(option, text, f"must be in [{low}, {high}]")
+    return value
+
+
+def _timeout(text: str | None) -> float:
+    if text is None:
+        return TIMEOUT_S_DEFAULT
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise OptionError("timeoutSec", text, "not a number of seconds") from None
+    if not 0 < value <= TIMEOUT_S_MAX:
+        raise OptionError("timeoutSec", text, f"must be in (0, {TIMEOUT_S_MAX:g}]")
+    return value
+
+
+def _token(text: str | None) -> str | None:
+    if text is None:
+        return None
+    if not text or len(text.encode()) > IDEMPOTENCY_TOKEN_BYTES_MAX:
+        raise OptionError(
+            "idempotencyToken", text, f"must be 1..{IDEMPOTENCY_TOKEN_BYTES_MAX} bytes"
+        )
+    return text
+
+
+def split_range(start: int, end: int, partitions_max: int) -> list[tuple[int, int]]:
+    """`[start, end)` cut into at most `partitions_max` contiguous ranges of nearly equal
+    size, each of at least PARTITION_ROWS_MIN rows (unless the whole range is smaller)."""
+    assert 0 <= start <= end, (start, end)
+    assert partitions_max >= 1, partitions_max
+    rows = end - start
+    if rows == 0:
+        return []
+    count = max(1, min(partitions_max, rows // PARTITION_ROWS_MIN))
+    size, extra = divmod(rows, count)
+    ranges = []
+    position = start
+    for index in range(count):
+        step = size + (1 if index < extra else 0)
+        ranges.append((position, position + step))
+        position += step
+    assert position == end, (position, end)
+    return ranges

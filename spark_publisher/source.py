@@ -1,0 +1,361 @@
+"""Reading an HA stream table from Spark: batch reads and a structured-streaming source.
+
+Offsets are `{"offset": N}`, N a table row offset; a micro-batch (or a batch read) covers the
+half-open range `[start, end)`. Rows of a range are immutable once committed, so any replica
+can serve them and a replayed micro-batch reads exactly the same rows.
+
+Which object runs where (pyspark 4.3, see PYSPARK-FACTS.md section 2):
+- `HAStreamStreamReader` instance 1 lives in the driver's streaming source runner for the
+  whole query: `initialOffset`, `latestOffset`, `partitions`, `commit`, `stop`.
+- instance 2 is pickled to the executors, which only call `read(partition)`.
+Neither keeps a connection: `clients.session()` is looked up inside each call.
+
+Delivery: Spark's checkpoint is the source of truth. `commit(end)` persists `end - 1` in the
+cluster as the action's processed offset (for lag monitoring and for `startingOffsets=
+persisted` on a fresh checkpoint); Spark delivers it one micro-batch late, which
+`listener.HAStreamOffsetListener` closes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Final
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from api_clients import (
+    OffsetOutOfRange,
+    RaftStoreError,
+    Session,
+    TableInfo,
+    TableNotFound,
+    TopicNotFound,
+)
+from proto import hastream_pb2
+from spark_publisher import clients, schema
+from spark_publisher.options import HAStreamOptions, OptionError, Position, parse, split_range
+
+log = logging.getLogger(__name__)
+
+NAME: Final = "hastream"
+# A partition is read in ranges of at most this many rows, so a worker holds a bounded
+# slice of the table in memory however large the micro-batch.
+READ_CHUNK_ROWS: Final = 200_000
+# Calls made while planning a micro-batch (latestOffset, commit) give up sooner than data
+# calls: a trigger that finds the cluster electing a leader just sees "no new data".
+PLANNING_TIMEOUT_S: Final = 10.0
+# How long a read keeps retrying a TableNotFound (a table created a moment ago that the
+# node asked has not applied yet) before it believes it.
+TABLE_NOT_FOUND_RETRY_S: Final = 15.0
+
+
+class DataLossError(RuntimeError):
+    """Rows the query has not read yet are no longer retained by the cluster. Like Kafka's
+    failOnDataLoss, the query fails instead of skipping them."""
+
+    def __init__(self, table: str, offset: int, earliest: int) -> None:
+        self.table = table
+        self.offset = offset
+        self.earliest = earliest
+        super().__init__(
+            f"hastream: table {table!r} no longer retains rows [{offset}, {earliest}) that this "
+            f"query has not read (the earliest retained row is {earliest}). Refusing to skip "
+            "them silently; to skip them knowingly, start a new checkpoint with "
+            "startingOffsets=earliest."
+        )
+
+
+class RangePartition(InputPartition):
+    """The rows `[start, end)` of the table; picklable, small."""
+
+    def __init__(self, start: int, end: int) -> None:
+        assert 0 <= start <= end, (start, end)
+        super().__init__((start, end))
+        self.start = start
+        self.end = end
+
+
+class HAStreamDataSource(DataSource):
+    """`format("hastream")`: read, write, readStream and writeStream of an HA stream table.
+
+    Options are parsed (and refused with OptionError) when Spark creates the source on the
+    driver; the table's schema comes from the cluster.
+    """
+
+    def __init__(self, options: dict[str, str]) -> None:
+        super().__init__(options)
+        self.parsed = parse(options)
+
+    @classmethod
+    def name(cls) -> str:
+        return NAME
+
+    def schema(self) -> StructType:
+        info = table_info(self.parsed)
+        return schema.spark_schema(self.parsed.table, info.schema)
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return HAStreamReader(self.parsed, schema)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return HAStreamStreamReader(self.parsed, schema)
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        from spark_publisher.sink import HAStreamWriter  # The sink imports this module.
+
+        return HAStreamWriter.create(self.parsed, schema, overwrite=overwrite)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        from spark_publisher.sink import HAStreamStreamWriter
+
+        return HAStreamStreamWriter.create(self.parsed, schema, overwrite=overwrite)
+
+
+# --- cluster calls shared by the readers ---------------------------------------------------
+
+
+def table_info(options: HAStreamOptions, *, fresh: bool = False) -> TableInfo:
+    """The table's schema, row count and earliest retained row. Raises TableNotFound at once
+    for an unknown table.
+
+    Any node answers, and a follower's row count may lag the leader's by the rows it has not
+    applied yet (every row it counts is committed, so a lagging count is safe, only late).
+    With `fresh`, the count is asked of the group's leader (falling back to any node during
+    an election), so a read planned right after an acknowledged write sees that write.
+    """
+    client = clients.session(options.sites, options.timeout_s)
+    info = client.getTableInfo(options.table)
+    if not fresh:
+        return info
+    # The session routes a table's calls to its group's leader once it knows it.
+    if client.getStreamingLeader(info.raft_group):
+        return client.getTableInfo(options.table)
+    return info
+
+
+def resolve_start(options: HAStreamOptions, info: TableInfo, default: Position) -> int:
+    """The first row to read for `startingOffsets` (or `default`). Raises DataLossError for
+    a start below the earliest retained row."""
+    wanted = options.starting_offsets if options.starting_offsets is not None else default
+    if wanted is Position.EARLIEST:
+        return info.earliest_offset
+    if wanted is Position.LATEST:
+        return info.row_count
+    if wanted is Position.PERSISTED:
+        start = _persisted_start(options, info)
+    else:
+        assert isinstance(wanted, int), wanted
+        start = wanted
+    if start < info.earliest_offset:
+        raise DataLossError(options.table, start, info.earliest_offset)
+    return start
+
+
+def _persisted_start(options: HAStreamOptions, info: TableInfo) -> int:
+    client = clients.session(options.sites, options.timeout_s)
+    try:
+        return client.getTopicProcessedOffset(options.topic) + 1
+    except TopicNotFound:
+        log.info("no persisted offset topic=%s: starting at the earliest row", options.topic)
+        return info.earliest_offset
+
+
+def commit_offset(client: Session, options: HAStreamOptions, offset: int, timeout_s: float) -> None:
+    """Persists `offset` (the last processed row) as the action's offset, through Raft on
+    the table's leader. Raises the cluster's typed errors."""
+    request = hastream_pb2.CommitOffsetRequest(
+        table=options.table, action_name=options.action, offset=offset
+    )
+    client.call("CommitOffset", request, table=options.table, deadline_s=timeout_s)
+
+
+def read_rows(
+    options: HAStreamOptions, target: pa.Schema, start: int, end: int
+) -> Iterator[pa.RecordBatch]:
+    """The rows `[start, end)` as RecordBatches of exactly `target`, read from any replica
+    (the client fails over and resumes a broken stream). Raises DataLossError when rows of
+    the range are no longer retained."""
+    client = clients.session(options.sites, options.timeout_s)
+    position = start
+    while position < end:  # Bounded: every turn advances by a chunk or raises.
+        stop = min(end, position + READ_CHUNK_ROWS)
+        rows = _read_chunk(client, options, position, stop)
+        if rows.num_rows != stop - position:  # The client promises a complete range.
+            raise RuntimeError(f"read [{position}, {stop}) returned {rows.num_rows} rows")
+        yield from schema.to_spark_batches(rows, target)
+        position = stop
+
+
+def _read_chunk(client: Session, options: HAStreamOptions, start: int, end: int) -> pa.Table:
+    # A node that has not applied the table's creation yet answers TableNotFound: the rows
+    # were committed, so some node has them; ask again (bounded) before believing it.
+    backoff = client.new_backoff(min(options.timeout_s, TABLE_NOT_FOUND_RETRY_S))
+    while True:  # Bounded by `backoff`.
+        try:
+            return client.read(options.table, start, end)
+        except OffsetOutOfRange as error:
+            if start < error.earliest:
+                raise DataLossError(options.table, start, error.earliest) from error
+            raise
+        except TableNotFound:
+            if not backoff.wait():
+                raise
+            client.getTableInfo(options.table)  # Asks every site; learns the table's group.
+
+
+def _partitions(options: HAStreamOptions, start: int, end: int) -> list[RangePartition]:
+    return [
+        RangePartition(low, high) for low, high in split_range(start, end, options.num_partitions)
+    ]
+
+
+# --- batch read -----------------------------------------------------------------------------
+
+
+class HAStreamReader(DataSourceReader):
+    """`spark.read.format("hastream")`: the rows `[startingOffsets, endingOffsets)`, by
+    default every retained row up to the row count when the read is planned."""
+
+    def __init__(self, options: HAStreamOptions, schema_: StructType) -> None:
+        self._options = options
+        self._target = schema.read_target(schema_)
+
+    def partitions(self) -> Sequence[InputPartition]:
+        options = self._options
+        info = table_info(options, fresh=True)
+        start = resolve_start(options, info, default=Position.EARLIEST)
+        if options.ending_offsets is Position.LATEST:
+            end = info.row_count
+        else:
+            assert isinstance(options.ending_offsets, int)
+            end = options.ending_offsets
+            if end > info.row_count:
+                raise OptionError(
+                    "endingOffsets", str(end), f"beyond the table's row count {info.row_count}"
+                )
+        if end < start:
+            raise OptionError(
+                "endingOffsets", str(options.ending_offsets), f"before the start offset {start}"
+            )
+        return _partitions(options, start, end) or [RangePartition(start, start)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, RangePartition), type(partition)
+        yield from read_rows(self._options, self._target, partition.start, partition.end)
+
+
+# --- streaming read -------------------------------------------------------------------------
+
+
+class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """`spark.readStream.format("hastream")`. See the module docstring for where each
+    method runs. `__init__` does no I/O: it also runs in the planner before pickling."""
+
+    def __init__(self, options: HAStreamOptions, schema_: StructType) -> None:
+        self._options = options
+        self._target = schema.read_target(schema_)
+        self._initial: int | None = None  # initialOffset is called twice: answer the same.
+        self._available_now_end: int | None = None
+        self._row_count_seen: int | None = None
+        self._committed: int | None = None
+
+    def initialOffset(self) -> dict[str, int]:
+        if self._initial is None:
+            info = table_info(self._options, fresh=True)
+            self._initial = resolve_start(self._options, info, default=Position.LATEST)
+            log.info("initial offset topic=%s offset=%d", self._options.topic, self._initial)
+        return {"offset": self._initial}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self._options.max_rows_per_trigger is None:
+            return ReadAllAvailable()
+        return ReadMaxRows(self._options.max_rows_per_trigger)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._available_now_end = table_info(self._options, fresh=True).row_count
+        log.info(
+            "availableNow target table=%s end=%d", self._options.table, self._available_now_end
+        )
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
+        begin = _offset(start)
+        try:
+            info = table_info(self._options)
+        except RaftStoreError as error:
+            if not error.retryable:
+                raise
+            # An exception here would kill the query; an election or an outage is not a
+            # reason to. "No new data" keeps it alive until the cluster answers again.
+            log.warning("latestOffset: cluster unavailable, no new data: %s", error)
+            return {"offset": begin}
+        if begin < info.earliest_offset:
+            raise DataLossError(self._options.table, begin, info.earliest_offset)
+        self._row_count_seen = info.row_count
+        # A lagging follower may answer a row count below `begin`: no new data then.
+        end = max(begin, info.row_count)
+        if isinstance(limit, ReadMaxRows):
+            end = min(end, begin + limit.max_rows)
+        if self._available_now_end is not None:
+            end = min(end, max(begin, self._available_now_end))
+        return {"offset": end}
+
+    def reportLatestOffset(self) -> dict[str, int] | None:
+        if self._row_count_seen is None:
+            return None
+        return {"offset": self._row_count_seen}
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        return _partitions(self._options, _offset(start), _offset(end))
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, RangePartition), type(partition)
+        yield from read_rows(self._options, self._target, partition.start, partition.end)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        """Persists `end - 1`, the last row of the committed micro-batch. Best effort: a
+        failure is logged, not raised (it would kill the query, and the checkpoint, not this
+        offset, is what a restart resumes from)."""
+        last = _offset(end) - 1
+        if last < 0 or last == self._committed:
+            return
+        try:
+            if self._committed is None:
+                # Route CommitOffset straight to the leader (after a restart from a
+                # checkpoint, initialOffset, which learns it, is never called).
+                table_info(self._options, fresh=True)
+            client = clients.session(self._options.sites, self._options.timeout_s)
+            commit_offset(
+                client, self._options, last, min(PLANNING_TIMEOUT_S, self._options.timeout_s)
+            )
+        except RaftStoreError as error:
+            log.warning(
+                "commit: offset %d of %s not persisted: %s", last, self._options.topic, error
+            )
+            return
+        self._committed = last
+
+    def stop(self) -> None:
+        log.info("stream reader stopped topic=%s", self._options.topic)
+
+
+def _offset(offset: dict[str, Any]) -> int:
+    value = offset.get("offset")
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"hastream: malformed offset {offset!r}; expected {{'offset': N >= 0}}")
+    return value
