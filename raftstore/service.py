@@ -20,6 +20,8 @@ from proto import hastream_pb2_grpc
 from raftstore import commands, limits
 from raftstore.errors import (
     InvalidArgument,
+    NodeUnavailable,
+    NotLeader,
     RaftStoreError,
     TableExists,
     TableNotFound,
@@ -120,10 +122,29 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     # --- routing ---
 
-    def _group_of(self, table: str) -> Group:
-        for group in self._node.groups():
+    def _group_of(self, table: str, *, leader_only: bool = False) -> Group:
+        """The group holding `table` on this node.
+
+        A node that leads (and has applied) a group knows that group's tables for sure, so
+        it answers TableNotFound. A node that leads no group may simply not have applied a
+        table's creation yet: for requests only a leader serves it sends the client on
+        (NotLeader with the leader when it is in one group, else a retryable
+        NodeUnavailable) instead of a wrong TableNotFound."""
+        groups = self._node.groups()
+        for group in groups:
             if group.has_table(table):
                 return group
+        raft_groups = [group for group in groups if group.group_id != LOCAL_GROUP]
+        if (
+            leader_only
+            and raft_groups
+            and not any(group.replica.is_leader_ready() for group in raft_groups)
+        ):
+            if len(raft_groups) == 1:
+                leader = raft_groups[0].leader()
+                if leader is not None and leader != raft_groups[0].settings.self_address:
+                    raise NotLeader(str(leader), raft_groups[0].group_id)
+            raise NodeUnavailable(f"table {table!r} unknown here and this node leads no group")
         raise TableNotFound(table)
 
     def _table_info(self, group: Group, view: TableView) -> pb.TableInfo:
@@ -160,7 +181,9 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def DropStreamTable(self, request: pb.DropTableRequest, context: Any) -> pb.DropTableResponse:
-        self._group_of(request.table).drop_table(request.table, force=request.force)
+        self._group_of(request.table, leader_only=True).drop_table(
+            request.table, force=request.force
+        )
         return pb.DropTableResponse(table=request.table)
 
     @unary
@@ -180,7 +203,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             sequence=request.sequence,
             payload=request.payload,
         )
-        lsn, result = self._group_of(request.table).publish(item)
+        lsn, result = self._group_of(request.table, leader_only=True).publish(item)
         return pb.PublishResponse(
             lsn=lsn,
             first_offset=result.first_offset,
@@ -191,7 +214,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @streaming
     def Subscribe(self, request: pb.SubscribeRequest, context: Any) -> Iterator[pb.RowBatch]:
-        group = self._group_of(request.table)
+        group = self._group_of(request.table, leader_only=True)
         group.require_leader()
         store = group.store(request.table)
         view = group.table_view(request.table)
@@ -249,7 +272,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     @unary
     def CommitOffset(self, request: pb.CommitOffsetRequest, context: Any) -> pb.TopicOffset:
         topic = topic_name(request.table, request.action_name or "default")
-        self._group_of(request.table).commit_offset(topic, request.offset)
+        self._group_of(request.table, leader_only=True).commit_offset(topic, request.offset)
         return pb.TopicOffset(topic=topic, offset=request.offset)
 
     def _topic_group(self, topic: str) -> Group:

@@ -238,3 +238,19 @@ def test_group_committed_batches_replay_exactly_after_a_full_restart(cluster: Lo
         message="replicas replayed every row",
     )
     assert_replicas_hold_exactly(cluster, "ticks", acked, ordered=False)
+
+
+def test_unknown_table_sends_the_client_to_the_leader_which_answers_table_not_found(
+    cluster: LocalCluster,
+) -> None:
+    leader = cluster.leader()
+    follower = next(alias for alias in cluster.alive() if alias != leader)
+    payload = ipc_stream(AckedPublisher(cluster, "ghost", SCHEMA).batch(0, 1))
+    request = pb.PublishRequest(table="ghost", payload=payload)
+    # A follower may not have applied a fresh table yet: it must not say TableNotFound.
+    with pytest.raises(grpc.RpcError) as raised:
+        cluster.stub(follower).Publish(request, timeout=10)
+    assert dict(raised.value.trailing_metadata())["hastream-error"] == "NotLeader"
+    with pytest.raises(grpc.RpcError) as raised:
+        cluster.stub(leader).Publish(request, timeout=10)
+    assert dict(raised.value.trailing_metadata())["hastream-error"] == "TableNotFound"
