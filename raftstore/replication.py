@@ -193,6 +193,13 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         journal: DurableJournal = self._SyncObj__raftLog
         return journal
 
+    def _checkCommandsToApply(self) -> None:
+        super()._checkCommandsToApply()
+        # New entries were appended and already sent to the followers: fsync them here, in
+        # parallel with the followers' own fsync, rather than at the next tick (the commit
+        # computation there then finds nothing left to sync).
+        self._journal.sync()
+
     def _onTick(self, timeToWait: float = 0.0) -> None:
         # Before the leader's commit computation counts this node: entries on disk.
         journal = self._journal
