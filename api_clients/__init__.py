@@ -1,22 +1,33 @@
 """The Python client of the HA stream table cluster.
 
-    from api_clients import connect, Publisher
+    from api_clients import connect, Publisher, MultithreadedTableWriter
     session = connect("127.0.0.1", 8901, highAvailabilitySites=["127.0.0.1:8902", "127.0.0.1:8903"])
     Publisher(session, "ticks").append(frame)
+    writer = MultithreadedTableWriter(session, "ticks", batchSize=10_000, threadCount=2)
+    writer.insert(1, ts, "AAPL", 10.5); writer.waitForThreadCompletion()
     session.subscribe("ticks", handler, offset=-2, actionName="spark")
     session.read("ticks", 0, 1000)  # rows [0, 1000) as one pyarrow Table
 
 Errors are the server's own classes from `raftstore.errors`, re-exported here.
+See docs/client.md for the delivery guarantees and the durable buffer.
 """
 
 from api_clients.admin import TableInfo
+from api_clients.buffer import BufferStats, DurableBuffer
 from api_clients.connection import Session, connect, parse_site
 from api_clients.publisher import AppendResult, Publisher
 from api_clients.retry import Backoff
 from api_clients.subscriber import Subscription
+from api_clients.writer import (
+    MultithreadedTableWriter,
+    ThreadStatus,
+    WriterStatus,
+    WriterStopped,
+)
 from raftstore import errors
 from raftstore.errors import (
     BatchTooLarge,
+    CorruptionError,
     EmptyBatch,
     InvalidArgument,
     LeadershipLost,
@@ -38,9 +49,13 @@ __all__ = [
     "AppendResult",
     "Backoff",
     "BatchTooLarge",
+    "BufferStats",
+    "CorruptionError",
+    "DurableBuffer",
     "EmptyBatch",
     "InvalidArgument",
     "LeadershipLost",
+    "MultithreadedTableWriter",
     "NodeUnavailable",
     "NotLeader",
     "OffsetOutOfRange",
@@ -55,8 +70,11 @@ __all__ = [
     "TableInfo",
     "TableNotFound",
     "TableSubscribed",
+    "ThreadStatus",
     "TopicNotFound",
     "UnknownGroup",
+    "WriterStatus",
+    "WriterStopped",
     "connect",
     "errors",
     "parse_site",

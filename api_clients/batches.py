@@ -8,10 +8,15 @@ per-row Python); only a list of row tuples or dicts is walked row by row.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import datetime
+import decimal
+import struct
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 
@@ -87,13 +92,32 @@ def _check_names(names: list[str], schema: pa.Schema, table_name: str) -> None:
 
 
 def _from_pandas(frame: pd.DataFrame, schema: pa.Schema, table_name: str) -> pa.Table:
+    """Column by column: no pandas metadata to build, and a conversion error names its
+    column. (Measured on 10,000 x 11 columns: 0.36 ms, against 0.6-1.0 ms for
+    `Table.from_pandas` with one thread and 2.2 ms with pyarrow's thread pool.)"""
     _check_names([str(name) for name in frame.columns], schema, table_name)
     if len(frame) == 0:
         raise EmptyBatch(table_name)
-    try:
-        return pa.Table.from_pandas(frame, schema=schema, preserve_index=False, safe=True)
-    except _CONVERSION_ERRORS as error:
-        raise SchemaMismatch(table_name, _first_line(error)) from error
+    arrays = []
+    for field, (_, series) in zip(schema, frame.items(), strict=True):
+        try:
+            arrays.append(_pandas_column(series, field.type))
+        except _CONVERSION_ERRORS as error:
+            raise SchemaMismatch(
+                table_name, f"column {field.name!r}: {_first_line(error)}"
+            ) from error
+    return pa.Table.from_arrays(arrays, names=schema.names)
+
+
+def _pandas_column(series: pd.Series, arrow_type: pa.DataType) -> pa.Array:
+    """One pandas column as `arrow_type`, with pandas' null conventions (NaN, None, NaT are
+    nulls) and safe casts (no overflow, no truncation)."""
+    dtype = series.dtype
+    if isinstance(dtype, np.dtype) and dtype.kind in "biufM":
+        # Plain numpy storage: skip the Series wrapper (timezone-aware columns are not
+        # numpy dtypes and take the general path below).
+        return pa.array(series.to_numpy(copy=False), type=arrow_type, from_pandas=True)
+    return pa.array(series, type=arrow_type, from_pandas=True)
 
 
 def _from_rows(rows: Sequence[Any], schema: pa.Schema, table_name: str) -> pa.Table:
@@ -196,3 +220,235 @@ def decode(payload: bytes) -> pa.Table:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+# -- one row at a time (the writer's insert) --------------------------------------------
+
+Convert = Callable[[Any], Any]
+
+
+def row_converter(schema: pa.Schema, table_name: str) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """A function that checks one row (a sequence of Python values, in column order) against
+    `schema` and returns it as a tuple Arrow converts without surprises (numpy scalars become
+    Python values). Raises SchemaMismatch naming the column, value and expected type. Cheap
+    (a type test per value): it runs on every `insert` before the row is queued."""
+    fields = list(schema)
+    converts = [_value_converter(field) for field in fields]
+    width = len(fields)
+
+    def convert(row: Sequence[Any]) -> tuple[Any, ...]:
+        if len(row) != width:
+            raise SchemaMismatch(
+                table_name, f"row has {len(row)} values, expected {width} {schema.names}"
+            )
+        try:
+            return tuple(
+                convert_value(value) for convert_value, value in zip(converts, row, strict=True)
+            )
+        except (TypeError, ValueError, OverflowError):
+            pass
+        for field, convert_value, value in zip(fields, converts, row, strict=True):
+            try:
+                convert_value(value)
+            except (TypeError, ValueError, OverflowError) as error:
+                raise SchemaMismatch(
+                    table_name,
+                    f"column {field.name!r}: {value!r} ({type(value).__name__}) is not "
+                    f"{field.type}: {_first_line(error)}",
+                ) from error
+        raise AssertionError("unreachable: one value failed above")
+
+    return convert
+
+
+def _value_converter(field: pa.Field) -> Convert:
+    arrow_type = field.type
+    convert = _typed_converter(arrow_type)
+    nullable = field.nullable
+
+    def convert_or_null(value: Any) -> Any:
+        if value is None:
+            if not nullable:
+                raise ValueError("column is not nullable")
+            return None
+        return convert(value)
+
+    return convert_or_null
+
+
+def _typed_converter(arrow_type: pa.DataType) -> Convert:
+    if pa.types.is_integer(arrow_type):
+        info = np.iinfo(arrow_type.to_pandas_dtype())
+        low, high = int(info.min), int(info.max)
+
+        def to_int(value: Any) -> int:
+            if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+                raise TypeError("expected an integer")
+            number = int(value)
+            if not low <= number <= high:
+                raise OverflowError(f"{number} outside [{low}, {high}]")
+            return number
+
+        return to_int
+    if pa.types.is_floating(arrow_type):
+        return _float
+    if pa.types.is_boolean(arrow_type):
+        return _bool
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return _string
+    if pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type):
+        return _binary
+    if pa.types.is_timestamp(arrow_type):
+        return _timestamp
+    if pa.types.is_date(arrow_type):
+        return _date
+    if pa.types.is_decimal(arrow_type):
+        return _decimal
+    return _by_arrow(arrow_type)
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool | np.bool_) or not isinstance(
+        value, float | int | np.floating | np.integer
+    ):
+        raise TypeError("expected a number")
+    return float(value)
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError("expected a bool")
+    return bool(value)
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError("expected a str")
+    return value
+
+
+def _binary(value: Any) -> bytes:
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise TypeError("expected bytes")
+    return bytes(value)
+
+
+def _timestamp(value: Any) -> Any:
+    if isinstance(value, datetime.datetime):  # pandas.Timestamp is one too.
+        return value
+    if isinstance(value, np.datetime64):
+        return pd.Timestamp(value)
+    if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
+        return int(value)  # Ticks of the column's unit since the epoch.
+    raise TypeError("expected a datetime, numpy.datetime64 or int")
+
+
+def _date(value: Any) -> Any:
+    if isinstance(value, datetime.datetime):
+        return value.date()
+    if isinstance(value, datetime.date):
+        return value
+    if isinstance(value, np.datetime64):
+        return pd.Timestamp(value).date()
+    raise TypeError("expected a date")
+
+
+def _decimal(value: Any) -> decimal.Decimal:
+    if isinstance(value, decimal.Decimal):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return decimal.Decimal(value)
+    raise TypeError("expected a decimal.Decimal or int")
+
+
+def _by_arrow(arrow_type: pa.DataType) -> Convert:
+    """Any other type: ask Arrow (slower, but exact)."""
+
+    def convert(value: Any) -> Any:
+        try:
+            pa.scalar(value, type=arrow_type)
+        except _CONVERSION_ERRORS as error:
+            raise TypeError(_first_line(error)) from error
+        return value
+
+    return convert
+
+
+def rows_to_table(rows: Sequence[tuple[Any, ...]], schema: pa.Schema, table_name: str) -> pa.Table:
+    """Rows already checked by `row_converter` -> a table with exactly `schema`."""
+    return conform(_from_rows(rows, schema, table_name), schema, table_name)
+
+
+# -- partitioning (the writer's threads) ------------------------------------------------
+
+_DOUBLE = struct.Struct("<d")
+
+
+def partition_of(value: Any, arrow_type: pa.DataType, partitions: int) -> int:
+    """The partition (in [0, partitions)) of one value of a column of `arrow_type`: stable
+    across processes and equal to `partitions_of` for the same value, so rows of one key
+    always go to the same writer thread, row by row or frame by frame."""
+    if value is None:
+        return 0
+    if _hashes_as_integer(arrow_type):
+        return _signed64(_integer_value(value, arrow_type)) % partitions
+    if pa.types.is_floating(arrow_type):
+        return int.from_bytes(_DOUBLE.pack(float(value)), "little", signed=True) % partitions
+    if isinstance(value, str):
+        return zlib.crc32(value.encode()) % partitions
+    if isinstance(value, bytes | bytearray | memoryview):
+        return zlib.crc32(value) % partitions
+    return zlib.crc32(repr(pa.scalar(value, type=arrow_type).as_py()).encode()) % partitions
+
+
+def partitions_of(column: pa.Array | pa.ChunkedArray, partitions: int) -> np.ndarray[Any, Any]:
+    """`partition_of` for every value of a column, vectorized: an int64 numpy array."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    arrow_type = column.type
+    if pa.types.is_dictionary(arrow_type):
+        column = column.dictionary_decode()
+        arrow_type = column.type
+    if _hashes_as_integer(arrow_type):
+        values = column.cast(_storage_type(arrow_type)).cast(pa.int64(), safe=False)
+        return np.asarray(values.fill_null(0).to_numpy(zero_copy_only=False)) % partitions
+    if pa.types.is_floating(arrow_type):
+        doubles = column.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
+        result: np.ndarray[Any, Any] = np.ascontiguousarray(doubles).view(np.int64) % partitions
+        nulls = column.is_null().to_numpy(zero_copy_only=False)
+        result[nulls] = 0
+        return result
+    encoded = column.dictionary_encode()
+    lookup = np.array(
+        [partition_of(value, arrow_type, partitions) for value in encoded.dictionary.to_pylist()],
+        dtype=np.int64,
+    )
+    indices = encoded.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    return np.where(indices < 0, 0, lookup[np.maximum(indices, 0)] if len(lookup) else 0)
+
+
+def _hashes_as_integer(arrow_type: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_integer(arrow_type)
+        or pa.types.is_boolean(arrow_type)
+        or pa.types.is_temporal(arrow_type)
+    )
+
+
+def _storage_type(arrow_type: pa.DataType) -> pa.DataType:
+    if pa.types.is_boolean(arrow_type) or pa.types.is_integer(arrow_type):
+        return arrow_type
+    return pa.int32() if arrow_type.bit_width == 32 else pa.int64()
+
+
+def _integer_value(value: Any, arrow_type: pa.DataType) -> int:
+    if pa.types.is_boolean(arrow_type) or pa.types.is_integer(arrow_type):
+        return int(value)
+    scalar = pa.scalar(value, type=arrow_type)
+    return int(scalar.cast(_storage_type(arrow_type)).as_py())
+
+
+def _signed64(number: int) -> int:
+    """Wraps like a cast to int64 (uint64 values above 2**63 become negative)."""
+    number &= (1 << 64) - 1
+    return number - (1 << 64) if number >= 1 << 63 else number

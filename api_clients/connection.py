@@ -28,10 +28,13 @@ from proto import hastream_pb2, hastream_pb2_grpc
 from raftstore import errors, limits
 from raftstore.errors import (
     InvalidArgument,
+    LeadershipLost,
     NodeUnavailable,
     NotLeader,
     Overloaded,
+    ProposalTimeout,
     RaftStoreError,
+    TableNotFound,
 )
 from raftstore.model import LOCAL_GROUP
 
@@ -71,6 +74,18 @@ CHANNEL_OPTIONS: Final[tuple[tuple[str, int], ...]] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Keepalive: a frozen (SIGSTOPped) or silently gone leader sends nothing, and an idle
+    # subscription stream would wait on it forever. A ping every 10 s that is not answered
+    # within 5 s ends the connection, so the stream fails UNAVAILABLE and the subscriber
+    # moves to the new leader. The nodes permit it (keepalive_time 10 s, min ping interval
+    # 2 s, no ping strikes); pings are sent even when no data flows on the stream.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    # Recent gRPC cores time a ping's answer out by this one (default 60 s), not by the
+    # keepalive timeout above: without it a frozen leader is noticed only after 70 s.
+    ("grpc.http2.ping_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
 )
 
 
@@ -83,6 +98,13 @@ def parse_site(text: str) -> str:
     if not 0 < port < 65536:
         raise InvalidArgument("site", f"{text!r} has port {port} outside 1..65535")
     return f"{parts[0]}:{port}"
+
+
+def _outcome_unknown(error: RaftStoreError) -> bool:
+    """Whether the failed attempt may have been applied anyway."""
+    if isinstance(error, ProposalTimeout | LeadershipLost):
+        return True
+    return isinstance(error, NodeUnavailable) and "DEADLINE_EXCEEDED" in error.reason
 
 
 def rebuild_error(rpc_error: grpc.RpcError, site: str) -> RaftStoreError | None:
@@ -286,6 +308,7 @@ class Session:
         group: int | None = None,
         site: str | None = None,
         deadline_s: float | None = None,
+        gone_after_unknown_ok: bool = False,
     ) -> Any:
         """Sends `request` to the unary RPC `method_name`, following the leader of `table`
         (or of raft `group`); with `site`, only that site is tried. The same request object
@@ -294,11 +317,20 @@ class Session:
         Raises the server's typed error at once unless it is retryable; when the deadline
         passes, raises the last error seen (NodeUnavailable for transport failures). Other
         gRPC failures are raised as the original grpc.RpcError.
+
+        TableNotFound is only believed once every known site said so: a follower that has
+        not applied the table's creation yet answers it (for any call, even Publish) before
+        it looks at leadership, so the call goes on to each site not asked yet, at once.
+        With `gone_after_unknown_ok` (a drop), a TableNotFound that follows an attempt whose
+        outcome is unknown (a timeout, a lost leadership) means that attempt did it: None is
+        returned.
         """
         backoff = self.new_backoff(deadline_s)
         target = parse_site(site) if site is not None else self.route(table=table, group=group)
         redirected = False
-        while True:  # Bounded: every retry path below takes a wait from `backoff`.
+        not_found: set[str] = set()  # Sites that answered TableNotFound to this call.
+        outcome_unknown = False  # An attempt failed after the request may have been applied.
+        while True:  # Bounded: every retry path takes a wait from `backoff` or a new site.
             timeout_s = min(self._timeout_s, backoff.remaining_s())
             try:
                 response = getattr(self.stub(target), method_name)(request, timeout=timeout_s)
@@ -306,9 +338,20 @@ class Session:
                 error = rebuild_error(rpc_error, target)
                 if error is None:
                     raise
+                if isinstance(error, TableNotFound) and gone_after_unknown_ok and outcome_unknown:
+                    return None
+                if isinstance(error, TableNotFound) and table is not None and site is None:
+                    not_found.add(target)
+                    untried = [known for known in self.sites if known not in not_found]
+                    if untried and backoff.remaining_s() > 0:
+                        log.debug("table not found site=%s, asking site=%s", target, untried[0])
+                        self.forget_leader(target, table=table, group=group)
+                        target = untried[0]
+                        continue
                 if not error.retryable:
                     raise error from None
                 log.debug("call failed method=%s site=%s error=%s", method_name, target, error)
+                outcome_unknown |= _outcome_unknown(error)
                 hint = self.redirect_target(error, target) if site is None else None
                 self.forget_leader(target, table=table, group=group)
                 if hint is not None and not redirected and backoff.remaining_s() > 0:
@@ -392,16 +435,16 @@ class Session:
         """Drops the table and its files on all replicas; refused (TableSubscribed) while
         it has subscribers unless `force`."""
         request = hastream_pb2.DropTableRequest(table=tableName, force=force)
-        self.call("DropStreamTable", request, table=tableName)
+        self.call("DropStreamTable", request, table=tableName, gone_after_unknown_ok=True)
         with self._lock:
             self._table_leaders.pop(tableName, None)
             self._table_groups.pop(tableName, None)
 
     def getTableInfo(self, tableName: str) -> admin.TableInfo:
-        response = self.call(
-            "GetTableInfo", hastream_pb2.TableRequest(table=tableName), table=tableName
-        )
-        return self._table_info(response)
+        """The table as the cluster describes it (any node answers; see `call` for a
+        follower that does not know the table yet)."""
+        request = hastream_pb2.TableRequest(table=tableName)
+        return self._table_info(self.call("GetTableInfo", request, table=tableName))
 
     def _table_info(self, message: hastream_pb2.TableInfo) -> admin.TableInfo:
         info = admin.table_info_from_proto(message)

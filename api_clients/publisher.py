@@ -4,22 +4,31 @@ Every request carries an idempotency token: the Publisher's random 16-byte `prod
 and a `sequence` that grows by one per request. A retry resends the *same* request, so if
 the first attempt was committed but its answer lost, the leader answers the retry from its
 producer window (`duplicate_batch=True`) instead of appending the rows twice.
+
+With `durable_buffer_dir`, every request is first written (and fsynced) to a local
+`DurableBuffer` under its producer id and sequence, then sent; the buffer keeps what the
+cluster has not acknowledged across outages and process crashes, and resends it, oldest
+first and deduplicated by the same token, on the next append, `flush()` or run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import pyarrow as pa
 
 from api_clients import batches
+from api_clients.buffer import BUFFER_BYTES_MAX_DEFAULT, BufferStats, DurableBuffer
 from proto import hastream_pb2
 from raftstore import limits
-from raftstore.errors import InvalidArgument, SchemaMismatch
+from raftstore.errors import InvalidArgument, RaftStoreError, SchemaMismatch
 
 if TYPE_CHECKING:
     from api_clients.connection import Session
@@ -42,6 +51,13 @@ class AppendResult:
     lsn: int  # Raft log index of the (last) entry that carried the rows.
     duplicate_batch: bool = False  # A retry answered from the producer window.
     parts: tuple[AppendResult, ...] = field(default=())
+    # With a durable buffer: rows of this append the cluster has not acknowledged yet (they
+    # are safe in the buffer and are resent later). 0 means everything was acknowledged.
+    buffered_rows: int = 0
+
+    @property
+    def acknowledged(self) -> bool:
+        return self.buffered_rows == 0
 
 
 class Publisher:
@@ -50,6 +66,15 @@ class Publisher:
     `producer_id` (16 bytes) defaults to a random one. Pass a stable id derived from, for
     example, a Spark query, partition and epoch, to make a *re-run* of the same appends in
     the same order deduplicated too: the sequence restarts at `first_sequence`.
+
+    With `durable_buffer_dir` (opt-in), each request is made durable in a `DurableBuffer`
+    in that directory before it is sent; the buffer's own producer id and sequences are
+    used (a `producer_id` or `first_sequence` argument is refused). `append` then returns
+    once the rows are durable locally and either acknowledged or the cluster stayed
+    unreachable until the deadline (`AppendResult.buffered_rows` > 0): do not append those
+    rows again, they are resent in order by the next `append`/`flush` or by the next
+    Publisher opened on the directory. `buffer_bytes_max` bounds the buffer: beyond it the
+    oldest records are dropped (counted in `buffer_stats()`). Call `close()` when done.
 
     Threads: appends through one Publisher are serialized (sequences must reach the leader
     in order); use one Publisher per thread for parallel publishing.
@@ -64,6 +89,9 @@ class Publisher:
         first_sequence: int = 1,
         batch_bytes_max: int = limits.BATCH_BYTES_MAX,
         deadline_s: float | None = None,
+        durable_buffer_dir: str | os.PathLike[str] | None = None,
+        buffer_bytes_max: int = BUFFER_BYTES_MAX_DEFAULT,
+        schema: pa.Schema | None = None,
     ) -> None:
         if producer_id is not None and len(producer_id) != PRODUCER_ID_BYTES:
             raise InvalidArgument("producer_id", f"must be {PRODUCER_ID_BYTES} bytes")
@@ -71,13 +99,23 @@ class Publisher:
             raise InvalidArgument("first_sequence", f"must be >= 1, got {first_sequence}")
         if not 0 < batch_bytes_max <= limits.BATCH_BYTES_MAX:
             raise InvalidArgument("batch_bytes_max", f"must be in (0, {limits.BATCH_BYTES_MAX}]")
+        if durable_buffer_dir is not None and (producer_id is not None or first_sequence != 1):
+            raise InvalidArgument(
+                "producer_id", "a durable buffer brings its own producer id and sequences"
+            )
         self._session = session
         self._table = tableName
+        self._buffer: DurableBuffer | None = None
+        if durable_buffer_dir is not None:
+            self._buffer = DurableBuffer(
+                durable_buffer_dir, table=tableName, bytes_max=buffer_bytes_max
+            )
+            producer_id = self._buffer.producer_id
         self._producer_id = producer_id or secrets.token_bytes(PRODUCER_ID_BYTES)
         self._next_sequence = first_sequence
         self._batch_bytes_max = batch_bytes_max
         self._deadline_s = deadline_s
-        self._schema: pa.Schema | None = None
+        self._schema: pa.Schema | None = schema
         self._lock = threading.Lock()
 
     @property
@@ -92,6 +130,8 @@ class Publisher:
     def next_sequence(self) -> int:
         """The sequence the next request will carry."""
         with self._lock:
+            if self._buffer is not None:
+                return self._buffer.stats().next_sequence
             return self._next_sequence
 
     def schema(self) -> pa.Schema:
@@ -100,8 +140,21 @@ class Publisher:
             return self._table_schema()
 
     def _table_schema(self) -> pa.Schema:
-        if self._schema is None:
+        if self._schema is not None:
+            return self._schema
+        try:
             self._schema = self._session.getTableInfo(self._table).schema
+        except RaftStoreError as error:
+            stored = self._buffer.schema() if self._buffer is not None else None
+            if not error.retryable or stored is None:
+                raise
+            # The cluster is unreachable: the buffer remembers the schema, so rows can
+            # still be validated and buffered during the outage.
+            log.warning("table schema from the buffer table=%s error=%s", self._table, error)
+            self._schema = stored
+            return stored
+        if self._buffer is not None:
+            self._buffer.set_schema(self._schema)
         return self._schema
 
     def append(self, data: object) -> AppendResult:
@@ -112,36 +165,45 @@ class Publisher:
         types, nulls in non-nullable columns), EmptyBatch, BatchTooLarge (one row alone over
         the batch byte limit). Data over the limit is split into several requests. Errors
         of the cluster are raised typed (see `Session.call`); if a split append fails
-        part-way, the parts before the failed one are committed.
+        part-way, the parts before the failed one are committed. With a durable buffer a
+        cluster that stays unreachable is not an error: the rows are buffered and counted
+        in `buffered_rows` (see the class docstring).
         """
         with self._lock:
             schema = self._table_schema()
             table = batches.to_table(data, schema, self._table)
             chunks = batches.encode_chunks(table, bytes_max=self._batch_bytes_max)
+            if self._buffer is not None:
+                return self._append_buffered(chunks)
             results = [self._publish(chunk) for chunk in chunks]
-        if len(results) == 1:
-            return results[0]
-        return AppendResult(
-            first_offset=results[0].first_offset,
-            row_count=sum(result.row_count for result in results),
-            duplicates=sum(result.duplicates for result in results),
-            lsn=results[-1].lsn,
-            duplicate_batch=any(result.duplicate_batch for result in results),
-            parts=tuple(results),
-        )
+        return _merge(results)
 
     def _publish(self, chunk: batches.EncodedChunk) -> AppendResult:
         sequence = self._next_sequence
         self._next_sequence += 1
+        return self._send(chunk.payload, sequence, self._deadline_s)
+
+    def publish_payload(
+        self, payload: bytes, sequence: int, *, deadline_s: float | None = None
+    ) -> AppendResult:
+        """Sends one already encoded and validated request (an Arrow IPC stream with the
+        table's schema) under this Publisher's producer id and the given `sequence`, which
+        must be above every sequence this producer sent before. For callers that persist
+        their own sequences (a `DurableBuffer`'s sender); retries follow `Session.call`."""
+        if sequence < 1:
+            raise InvalidArgument("sequence", f"must be >= 1, got {sequence}")
+        return self._send(payload, sequence, self._deadline_s if deadline_s is None else deadline_s)
+
+    def _send(self, payload: bytes, sequence: int, deadline_s: float | None) -> AppendResult:
         request = hastream_pb2.PublishRequest(
             table=self._table,
-            payload=chunk.payload,
+            payload=payload,
             producer_id=self._producer_id,
             sequence=sequence,
         )
         try:
             response = self._session.call(
-                "Publish", request, table=self._table, deadline_s=self._deadline_s
+                "Publish", request, table=self._table, deadline_s=deadline_s
             )
         except SchemaMismatch:
             self._schema = None  # The table may have been re-created: fetch it again next time.
@@ -160,3 +222,90 @@ class Publisher:
             lsn=response.lsn,
             duplicate_batch=response.duplicate_batch,
         )
+
+    # -- the durable buffer ------------------------------------------------------------
+
+    def _append_buffered(self, chunks: list[batches.EncodedChunk]) -> AppendResult:
+        assert self._buffer is not None
+        sequences = [self._buffer.append(chunk.payload, chunk.row_count) for chunk in chunks]
+        acknowledged = self._drain(self._deadline_s)
+        results = [acknowledged[sequence] for sequence in sequences if sequence in acknowledged]
+        buffered_rows = sum(
+            chunk.row_count
+            for chunk, sequence in zip(chunks, sequences, strict=True)
+            if sequence not in acknowledged
+        )
+        if not results:
+            return AppendResult(
+                first_offset=-1, row_count=0, duplicates=0, lsn=-1, buffered_rows=buffered_rows
+            )
+        return dataclasses.replace(_merge(results), buffered_rows=buffered_rows)
+
+    def _drain(self, deadline_s: float | None) -> dict[int, AppendResult]:
+        """Sends the buffered records oldest first until none is left or the cluster stays
+        unreachable past the deadline. Returns the results by sequence. A non-retryable
+        error is raised; its record stays buffered."""
+        assert self._buffer is not None
+        deadline = time.monotonic() + (
+            self._session.deadline_s if deadline_s is None else deadline_s
+        )
+        results: dict[int, AppendResult] = {}
+        while (remaining_s := deadline - time.monotonic()) > 0:  # Bounded by the deadline.
+            record = self._buffer.head(0)
+            if record is None:
+                break
+            try:
+                result = self._send(record.payload, record.sequence, remaining_s)
+            except RaftStoreError as error:
+                if not error.retryable:
+                    raise
+                log.warning(
+                    "cluster unreachable, rows stay buffered table=%s pending_rows=%d error=%s",
+                    self._table,
+                    self._buffer.stats().pending_rows,
+                    error,
+                )
+                break
+            self._buffer.commit(record.sequence)
+            results[record.sequence] = result
+        self._buffer.flush_commit()
+        return results
+
+    def flush(self, deadline_s: float | None = None) -> int:
+        """Sends what the durable buffer holds (oldest first) until it is empty or the
+        deadline passes; returns the rows still buffered. 0 without a buffer."""
+        with self._lock:
+            if self._buffer is None:
+                return 0
+            self._drain(deadline_s)
+            return self._buffer.stats().pending_rows
+
+    def buffer_stats(self) -> BufferStats | None:
+        """The durable buffer's counters (pending, dropped, truncated...); None without one."""
+        return None if self._buffer is None else self._buffer.stats()
+
+    def close(self) -> None:
+        """Closes the durable buffer (writing its COMMIT marker); rows still in it are sent by
+        the next Publisher opened on the directory. Nothing to do without a buffer."""
+        with self._lock:
+            if self._buffer is not None:
+                self._buffer.close()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def _merge(results: list[AppendResult]) -> AppendResult:
+    if len(results) == 1:
+        return results[0]
+    return AppendResult(
+        first_offset=results[0].first_offset,
+        row_count=sum(result.row_count for result in results),
+        duplicates=sum(result.duplicates for result in results),
+        lsn=results[-1].lsn,
+        duplicate_batch=any(result.duplicate_batch for result in results),
+        parts=tuple(results),
+    )

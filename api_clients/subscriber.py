@@ -29,7 +29,7 @@ from api_clients import batches
 from api_clients.connection import rebuild_error
 from proto import hastream_pb2
 from raftstore import limits
-from raftstore.errors import InvalidArgument, NodeUnavailable, RaftStoreError
+from raftstore.errors import InvalidArgument, NodeUnavailable, RaftStoreError, TableNotFound
 from raftstore.model import OFFSET_EARLIEST, OFFSET_LATEST
 
 if TYPE_CHECKING:
@@ -276,6 +276,7 @@ class Subscription:
         backoff = self._session.new_backoff(self._reconnect_deadline_s, sleep=self._stop_event.wait)
         self._resolve_latest_floor()
         site = self._session.route(table=self._table)
+        not_found: set[str] = set()  # Sites that answered TableNotFound since the last rows.
         # The subscription's event loop: one stream per turn. It ends on stop, on a
         # non-retryable error, or when the reconnect budget is spent.
         while not self._stop_event.is_set():
@@ -283,9 +284,18 @@ class Subscription:
             if self._stop_event.is_set():
                 return
             if received:
+                not_found.clear()
                 backoff = self._session.new_backoff(
                     self._reconnect_deadline_s, sleep=self._stop_event.wait
                 )
+            if isinstance(error, TableNotFound):
+                # A follower that has not applied the table's creation answers this before
+                # it looks at leadership: believe it once every known site said so.
+                not_found.add(site)
+                untried = [known for known in self._session.sites if known not in not_found]
+                if untried and self._reconnect:
+                    site = untried[0]
+                    continue
             reason = error if error is not None else NodeUnavailable(f"{site}: stream ended")
             if not (isinstance(reason, RaftStoreError) and reason.retryable) or not self._reconnect:
                 self._set_error(reason)

@@ -4,21 +4,36 @@ running a small scriptable fake node (real-cluster tests live elsewhere)."""
 
 from __future__ import annotations
 
+import datetime
 import socket
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from api_clients import Publisher, Session, batches, connect, parse_site
+from api_clients import (
+    MultithreadedTableWriter,
+    Publisher,
+    Session,
+    WriterStopped,
+    batches,
+    buffer_format,
+    connect,
+    parse_site,
+)
 from api_clients.admin import schema_to_ipc
+from api_clients.connection import CHANNEL_OPTIONS
 from api_clients.retry import Backoff
 from proto import hastream_pb2, hastream_pb2_grpc
 from raftstore import errors
@@ -150,6 +165,7 @@ class FakeNode(hastream_pb2_grpc.StreamTableServicer):
         self.leader_hint: str | None = None
         self.follower = False
         self.lose_acks = 0
+        self.dropped = False
         self.table = SCHEMA.empty_table()
         self.producers: dict[bytes, tuple[int, hastream_pb2.PublishResponse]] = {}
         self.subscribe_scripts: list[Callable[..., Iterator[hastream_pb2.RowBatch]]] = []
@@ -178,6 +194,13 @@ class FakeNode(hastream_pb2_grpc.StreamTableServicer):
             cache_limit=1000,
             row_count=self.table.num_rows,
         )
+
+    def DropStreamTable(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._enter("DropStreamTable", request, context)
+        if self.dropped:
+            abort(context, errors.TableNotFound(request.table))
+        self.dropped = True
+        return hastream_pb2.DropTableResponse(table=request.table)
 
     def GetStreamingLeader(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._enter("GetStreamingLeader", request, context)
@@ -678,3 +701,426 @@ def test_read_of_an_empty_range_returns_an_empty_table(start_node: Callable[[], 
     with make_session(site(node)) as session:
         assert session.read(TABLE, 5, 5).schema == SCHEMA
     assert node.calls("Read") == []
+
+
+def test_subscriber_commits_an_offset_only_after_the_handler_returned(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    node = start_node()
+    node.table = rows(0, 12)
+    returned: list[int] = []  # Last offset of every handler call that returned.
+    committed_during_calls: list[int] = []
+
+    def handler(table: pa.Table, first_offset: int) -> None:
+        committed_during_calls.extend(commit.offset for commit in node.calls("CommitOffset"))
+        assert all(offset <= max(returned, default=-1) for offset in committed_during_calls)
+        returned.append(first_offset + table.num_rows - 1)
+
+    with make_session(site(node)) as session:
+        subscription = session.subscribe(TABLE, handler, offset=0, throttle=0.0)
+        wait_until(lambda: subscription.committed_offset == 11)
+        assert subscription.error is None
+    assert returned[-1] == 11
+    assert committed_during_calls  # Commits did run between the handler calls.
+    assert [commit.offset for commit in node.calls("CommitOffset")] == sorted(set(returned))
+
+
+# -- the session -----------------------------------------------------------------------
+
+
+def test_table_info_asks_other_sites_when_a_lagging_follower_does_not_know_the_table(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    lagging, knowing = start_node(), start_node()
+    lagging.errors["GetTableInfo"] = [errors.TableNotFound(TABLE)]
+    with make_session(site(lagging), site(knowing)) as session:
+        assert session.getTableInfo(TABLE).schema == SCHEMA
+    everywhere = [start_node(), start_node()]
+    for node in everywhere:
+        node.errors["GetTableInfo"] = [errors.TableNotFound(TABLE)]
+    with make_session(*map(site, everywhere)) as session, pytest.raises(errors.TableNotFound):
+        session.getTableInfo(TABLE)
+
+
+def test_publish_answered_table_not_found_by_a_lagging_follower_goes_on_to_the_leader(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    lagging, leader = start_node(), start_node()
+    lagging.errors["Publish"] = [errors.TableNotFound(TABLE)]  # Before it looks at roles.
+    with make_session(site(lagging), site(leader)) as session:
+        result = Publisher(session, TABLE, schema=SCHEMA).append(rows(0, 3))
+        assert session.route(table=TABLE) == site(leader)
+    assert result.row_count == 3
+    assert leader.table.num_rows == 3
+    assert lagging.table.num_rows == 0
+
+
+def test_subscriber_goes_past_a_follower_that_does_not_know_the_table_yet(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    lagging, leader = start_node(), start_node()
+    leader.table = rows(0, 4)
+    lagging.errors["Subscribe"] = [errors.TableNotFound(TABLE)]
+    handler = Collector()
+    with make_session(site(lagging), site(leader)) as session:
+        subscription = session.subscribe(TABLE, handler, offset=0, persistOffset=False)
+        wait_until(lambda: handler.seen() == list(range(4)))
+        assert subscription.error is None
+        subscription.stop()
+
+
+def test_drop_retried_after_an_unknown_outcome_takes_table_not_found_as_done(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    node = start_node()
+    node.errors["DropStreamTable"] = [errors.ProposalTimeout(10.0)]
+    node.dropped = True  # The timed-out attempt did drop it.
+    with make_session(site(node)) as session:
+        session.dropStreamTable(TABLE)
+        with pytest.raises(errors.TableNotFound):
+            session.dropStreamTable(TABLE)  # No unknown outcome this time: really missing.
+
+
+def test_channels_probe_a_silent_server_with_keepalive_pings() -> None:
+    options = dict(CHANNEL_OPTIONS)
+    assert options["grpc.keepalive_time_ms"] == 10_000  # The nodes permit pings every 2 s.
+    assert options["grpc.keepalive_timeout_ms"] == options["grpc.http2.ping_timeout_ms"]
+    assert options["grpc.http2.max_pings_without_data"] == 0  # Idle streams keep pinging.
+
+
+# -- the durable buffer's format ---------------------------------------------------------
+
+
+def check_whole_record(record: bytes) -> None:
+    """What a reader does with a record that should fill `record` exactly."""
+    header = buffer_format.decode_header(record)
+    if header.record_bytes != len(record):
+        raise buffer_format.FormatError("length changed")
+    buffer_format.check_record(
+        record[: buffer_format.RECORD_HEADER_BYTES], record[buffer_format.RECORD_HEADER_BYTES :]
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(payload=st.binary(min_size=1, max_size=300), data=st.data())
+def test_buffer_record_round_trips_and_any_flipped_bit_fails_its_check(
+    payload: bytes, data: st.DataObject
+) -> None:
+    producer_id = bytes(range(16))
+    record = buffer_format.encode_record(
+        sequence=7, producer_id=producer_id, row_count=3, created_ms=123, payload=payload
+    )
+    header = buffer_format.decode_header(record)
+    assert (header.sequence, header.row_count, header.producer_id) == (7, 3, producer_id)
+    assert header.record_bytes == len(record)
+    head, body = (
+        record[: buffer_format.RECORD_HEADER_BYTES],
+        record[header.record_bytes - len(payload) :],
+    )
+    buffer_format.check_record(head, body)
+    bit = data.draw(st.integers(min_value=0, max_value=len(record) * 8 - 1))
+    damaged = bytearray(record)
+    damaged[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(buffer_format.FormatError):
+        check_whole_record(bytes(damaged))
+
+
+def test_buffer_commit_and_meta_markers_round_trip_and_refuse_damage() -> None:
+    producer_id = b"p" * 16
+    commit = buffer_format.encode_commit(41, producer_id)
+    assert buffer_format.decode_commit(commit) == (41, producer_id)
+    meta = buffer_format.encode_meta(producer_id, "ticks", schema_to_ipc(SCHEMA))
+    assert buffer_format.decode_meta(meta) == (producer_id, "ticks", schema_to_ipc(SCHEMA))
+    for good, decode in ((commit, buffer_format.decode_commit), (meta, buffer_format.decode_meta)):
+        for position in (0, 9, len(good) - 1):
+            damaged = bytearray(good)
+            damaged[position] ^= 0x10
+            with pytest.raises(buffer_format.FormatError):
+                decode(bytes(damaged))
+        with pytest.raises(buffer_format.FormatError):
+            decode(good[:-1])
+
+
+# -- rows one at a time, partitions ------------------------------------------------------
+
+WIDE = pa.schema(
+    [
+        ("id", pa.int32()),
+        ("ts", pa.timestamp("ms")),
+        ("day", pa.date32()),
+        ("price", pa.float64()),
+        ("ok", pa.bool_()),
+        ("sym", pa.string()),
+        ("note", pa.string(), True),
+        ("blob", pa.binary()),
+    ]
+)
+
+
+def test_row_converter_accepts_python_and_numpy_values_and_arrow_agrees() -> None:
+    convert = batches.row_converter(WIDE, TABLE)
+    day = datetime.date(2024, 5, 6)
+    accepted = [
+        (1, datetime.datetime(2024, 5, 6, 7, 8, 9), day, 1.5, True, "a", None, b"x"),
+        (
+            np.int32(2),
+            np.datetime64("2024-05-06T07:08:09.123"),
+            day,
+            np.float32(2.5),
+            np.bool_(False),
+            "b",
+            "n",
+            bytearray(b"y"),
+        ),
+        (
+            3,
+            pd.Timestamp("2024-05-06 07:08:09"),
+            datetime.datetime(2024, 5, 6),
+            7,
+            False,
+            "c",
+            "",
+            b"",
+        ),
+        (4, 1_714_979_289_000, np.datetime64("2024-05-06"), np.int64(8), True, "d", None, b"z"),
+    ]
+    table = batches.rows_to_table([convert(row) for row in accepted], WIDE, TABLE)
+    assert table.column("id").to_pylist() == [1, 2, 3, 4]
+    assert table.column("price").to_pylist() == [1.5, 2.5, 7.0, 8.0]
+    assert table.column("day").to_pylist() == [day] * 4
+    assert table.column("ts").to_pylist()[1] == datetime.datetime(2024, 5, 6, 7, 8, 9, 123000)
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ((1, None, None, 1.0, True, "a", None), "row has 7 values, expected 8"),
+        (("1", None, None, 1.0, True, "a", None, b""), "column 'id': '1' \\(str\\) is not int32"),
+        ((2**31, None, None, 1.0, True, "a", None, b""), "column 'id'.*outside"),
+        ((True, None, None, 1.0, True, "a", None, b""), "column 'id'"),
+        ((1, "2024-01-01", None, 1.0, True, "a", None, b""), "column 'ts'"),
+        ((1, None, None, "1.0", True, "a", None, b""), "column 'price'"),
+        ((1, None, None, 1.0, 1, "a", None, b""), "column 'ok'"),
+        ((1, None, None, 1.0, True, 5, None, b""), "column 'sym'"),
+        ((1, None, None, 1.0, True, "a", None, "text"), "column 'blob'"),
+    ],
+)
+def test_row_converter_refuses_a_wrong_row_naming_the_column(
+    row: tuple[Any, ...], message: str
+) -> None:
+    nullable = pa.schema([field.with_nullable(True) for field in WIDE])
+    with pytest.raises(errors.SchemaMismatch, match=message):
+        batches.row_converter(nullable, TABLE)(row)
+
+
+def test_row_converter_refuses_null_in_a_non_nullable_column() -> None:
+    schema = pa.schema([pa.field("id", pa.int64(), nullable=False)])
+    with pytest.raises(errors.SchemaMismatch, match="not nullable"):
+        batches.row_converter(schema, TABLE)((None,))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    values=st.one_of(
+        st.lists(st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)), min_size=1),
+        st.lists(st.one_of(st.none(), st.text(max_size=8)), min_size=1),
+        st.lists(st.one_of(st.none(), st.floats(allow_nan=False)), min_size=1),
+    ),
+    partitions=st.integers(min_value=1, max_value=9),
+)
+def test_partition_of_a_value_matches_the_vectorized_partitions(
+    values: list[Any], partitions: int
+) -> None:
+    column = pa.array(values)
+    vectorized = batches.partitions_of(column, partitions).tolist()
+    one_by_one = [batches.partition_of(value, column.type, partitions) for value in values]
+    assert vectorized == one_by_one
+    assert all(0 <= number < partitions for number in vectorized)
+
+
+# -- the writer ------------------------------------------------------------------------
+
+
+def writer_for(session: Session, **kwargs: Any) -> MultithreadedTableWriter:
+    kwargs.setdefault("durableBufferDir", None)
+    return MultithreadedTableWriter(session, TABLE, **kwargs)
+
+
+def published_ids(node: FakeNode) -> list[list[int]]:
+    return [batches.decode(r.payload).column("id").to_pylist() for r in node.calls("Publish")]
+
+
+def test_writer_batches_rows_by_size_then_by_time_in_order(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    node = start_node()
+    with make_session(site(node)) as session:
+        writer = writer_for(session, batchSize=4, throttle=0.2)
+        for key in range(10):
+            writer.insert(key, key / 2, f"s{key}")
+        wait_until(lambda: len(node.calls("Publish")) == 3)  # Two full batches, then time.
+        writer.waitForThreadCompletion(timeout_s=10)
+    assert published_ids(node) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [r.sequence for r in node.calls("Publish")] == [1, 2, 3]
+    status = writer.getStatus()
+    assert (status.sentRows, status.unsentRows, status.errorCode) == (10, 0, "")
+
+
+def test_writer_refuses_bad_rows_before_anything_is_sent(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    node = start_node()
+    with make_session(site(node)) as session:
+        writer = writer_for(session, batchSize=1)
+        with pytest.raises(errors.SchemaMismatch, match="row has 2 values"):
+            writer.insert(1, 2.0)
+        with pytest.raises(errors.SchemaMismatch, match="'price'"):
+            writer.insert(1, "2.0", "a")
+        with pytest.raises(errors.SchemaMismatch, match="'id' has type int32"):
+            writer.insertArrow(
+                pa.table({"id": pa.array([1], pa.int32()), "price": [1.0], "sym": ["a"]})
+            )
+        with pytest.raises(errors.SchemaMismatch):
+            writer.insertDataFrame(pd.DataFrame({"id": [1], "price": ["x"], "sym": ["a"]}))
+        writer.insertDataFrame(pd.DataFrame({"id": [], "price": [], "sym": []}))  # No-op.
+        writer.waitForThreadCompletion(timeout_s=10)
+    assert node.calls("Publish") == []
+    assert writer.getStatus().sentRows == 0
+
+
+def test_writer_keeps_rows_of_one_partition_key_on_one_thread_in_order(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    node = start_node()
+    with make_session(site(node)) as session:
+        writer = writer_for(session, batchSize=7, throttle=0.05, threadCount=3, partitionCol="sym")
+        for key in range(60):
+            writer.insert(key, 1.0, f"k{key % 5}")
+        frame = rows(60, 60).to_pandas().assign(sym=[f"k{key % 5}" for key in range(60, 120)])
+        writer.insertDataFrame(frame)
+        writer.waitForThreadCompletion(timeout_s=10)
+    keys_by_producer: dict[bytes, set[str]] = defaultdict(set)
+    ids_by_key: dict[str, list[int]] = defaultdict(list)
+    for request in node.calls("Publish"):
+        table = batches.decode(request.payload)
+        keys_by_producer[request.producer_id].update(table.column("sym").to_pylist())
+        for key, sym in zip(
+            table.column("id").to_pylist(), table.column("sym").to_pylist(), strict=True
+        ):
+            ids_by_key[sym].append(key)
+    assert len(keys_by_producer) > 1  # Several threads were used...
+    producers_of_key = Counter(sym for syms in keys_by_producer.values() for sym in syms)
+    assert set(producers_of_key.values()) == {1}  # ...but each key went to one of them...
+    for sym, ids in ids_by_key.items():  # ...in insert order.
+        assert ids == sorted(ids), sym
+    assert sorted(node.table.column("id").to_pylist()) == list(range(120))
+
+
+def test_writer_memory_buffer_full_blocks_insert_then_raises_overloaded() -> None:
+    with make_session(dead_site(), deadline_s=0.5) as session:
+        writer = writer_for(
+            session, batchSize=1, bufferBytesMax=3_000, insertTimeout=0.2, schema=SCHEMA
+        )
+        inserted = 0
+        started = time.monotonic()
+
+        def insert_until_refused() -> None:
+            nonlocal inserted
+            for key in range(1_000):
+                writer.insert(key, 1.0, "x")
+                inserted += 1
+
+        with pytest.raises(errors.Overloaded):
+            insert_until_refused()
+        assert time.monotonic() - started < 10
+        assert 0 < inserted < 1_000
+        assert writer.getUnwrittenData().column("id").to_pylist() == list(range(inserted))
+        writer.close()
+
+
+def test_writer_error_from_the_cluster_stops_it_and_keeps_rows_unwritten(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    node = start_node()
+    node.errors["Publish"] = [errors.TableNotFound(TABLE)]
+    with make_session(site(node)) as session:
+        writer = writer_for(session, batchSize=5)
+        for key in range(5):
+            writer.insert(key, 1.0, "x")
+        wait_until(lambda: writer.getStatus().hasError())
+        status = writer.getStatus()
+        assert (status.errorCode, status.sendFailedRows, status.unsentRows) == (
+            "TableNotFound",
+            5,
+            5,
+        )
+        with pytest.raises(WriterStopped, match="table not found"):
+            writer.insert(5, 1.0, "x")
+        assert writer.getUnwrittenData().column("id").to_pylist() == list(range(5))
+        writer.waitForThreadCompletion(timeout_s=10)
+    assert node.table.num_rows == 0
+
+
+def test_writer_durable_buffer_resends_after_restart_even_with_fewer_threads(
+    start_node: Callable[[], FakeNode], tmp_path: Path
+) -> None:
+    with make_session(dead_site(), deadline_s=0.5) as session:
+        writer = writer_for(
+            session, batchSize=10, threadCount=2, durableBufferDir=tmp_path, schema=SCHEMA
+        )
+        writer.insertArrow(rows(0, 100))
+        with pytest.raises(TimeoutError, match="100 rows not sent"):
+            writer.waitForThreadCompletion(timeout_s=0.5)
+        assert sorted(writer.getUnwrittenData().column("id").to_pylist()) == list(range(100))
+    node = start_node()
+    with make_session(site(node)) as session:
+        writer = writer_for(session, threadCount=1, durableBufferDir=tmp_path)
+        assert writer.getStatus().resentRows == 100
+        writer.waitForThreadCompletion(timeout_s=10)
+    assert sorted(node.table.column("id").to_pylist()) == list(range(100))
+    assert len({request.producer_id for request in node.calls("Publish")}) == 2
+    assert writer.getStatus().sentRows == 100
+
+
+def test_buffered_publisher_keeps_rows_through_an_outage_and_resends_them_first(
+    start_node: Callable[[], FakeNode], tmp_path: Path
+) -> None:
+    with make_session(dead_site(), deadline_s=0.3) as session:
+        publisher = Publisher(session, TABLE, durable_buffer_dir=tmp_path, schema=SCHEMA)
+        result = publisher.append(rows(0, 10))
+        assert (result.acknowledged, result.buffered_rows, result.first_offset) == (False, 10, -1)
+        publisher.close()
+    node = start_node()
+    with make_session(site(node)) as session:
+        with Publisher(session, TABLE, durable_buffer_dir=tmp_path) as publisher:
+            assert publisher.next_sequence == 2
+            result = publisher.append(rows(10, 5))
+        assert (result.acknowledged, result.first_offset, result.row_count) == (True, 10, 5)
+        stats = publisher.buffer_stats()
+        assert stats is not None
+        assert (stats.pending_rows, stats.reopened_rows) == (0, 10)
+    assert node.table.column("id").to_pylist() == list(range(15))
+    assert [request.sequence for request in node.calls("Publish")] == [1, 2]
+
+
+def test_buffered_publisher_resend_of_an_applied_record_is_answered_not_appended(
+    start_node: Callable[[], FakeNode], tmp_path: Path
+) -> None:
+    node = start_node()
+    with make_session(site(node)) as session:
+        with Publisher(session, TABLE, durable_buffer_dir=tmp_path) as publisher:
+            publisher.append(rows(0, 10))
+            publisher.append(rows(10, 10))
+        (tmp_path / "COMMIT").unlink()  # As if the process died before writing it.
+        with Publisher(session, TABLE, durable_buffer_dir=tmp_path) as publisher:
+            assert publisher.flush() == 0
+            publisher.append(rows(20, 10))
+    requests = node.calls("Publish")
+    assert [request.sequence for request in requests] == [1, 2, 1, 2, 3]
+    assert len({request.producer_id for request in requests}) == 1
+    assert node.table.column("id").to_pylist() == list(range(30))  # Nothing twice.
+
+
+def test_buffered_publisher_refuses_its_own_producer_id(tmp_path: Path) -> None:
+    with make_session(dead_site()) as session, pytest.raises(errors.InvalidArgument):
+        Publisher(session, TABLE, durable_buffer_dir=tmp_path, producer_id=b"x" * 16)
