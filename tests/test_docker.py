@@ -413,7 +413,11 @@ def test_killed_leader_container_fails_over_and_restart_catches_up(
             publisher.wait_acked(restarted_at + 100, 30)
         acked = publisher.acked
     # The restarted node caught up from its volumes and its peers: the same rows.
-    assert row_count(deployment, old_leader, table) is not None
+    wait_for(
+        lambda: row_count(deployment, old_leader, table) is not None,
+        CONVERGE_TIMEOUT_S,
+        f"restarted {old_leader} to serve {table}",
+    )
     assert_every_ack_once_on_every_replica(deployment, table, acked)
 
 
