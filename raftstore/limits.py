@@ -58,7 +58,7 @@ GRPC_MESSAGE_BYTES_MAX: Final = BATCH_BYTES_MAX + 4 * MIB
 
 # Raft log bytes held between checkpoints before a checkpoint is forced early (pysyncobj
 # keeps the whole log in RAM until compaction).
-RAFT_LOG_BYTES_MAX: Final = 512 * MIB
+RAFT_LOG_BYTES_MAX: Final = 256 * MIB
 
 assert ENTRY_BYTES_MAX >= BATCH_BYTES_MAX + MIB, "one batch plus framing must fit an entry"
 assert RAFT_APPEND_BATCH_BYTES >= 2 * ENTRY_BYTES_MAX, "avoid pysyncobj's chunked-send bug"
