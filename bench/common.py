@@ -1,0 +1,306 @@
+"""Shared pieces of the benchmarks: the tables' schemas, pre-built Arrow IPC payloads, the
+cluster they run against, and per-process CPU / RSS from /proc.
+
+Payloads are built column by column with numpy (no per-row Python), serialized once, and
+reused: the publishing loops only send bytes that already exist.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import grpc
+import numpy as np
+import pyarrow as pa
+
+from deploy.local_cluster import LocalCluster, wait_until
+from proto import hastream_pb2 as pb
+
+REPO: Final = Path(__file__).resolve().parents[1]
+RESULTS_DIR: Final = REPO / "bench" / "results"
+HA_GROUP: Final = 2
+LOCAL_GROUP: Final = 0
+_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
+_SYMBOLS: Final = np.array(
+    ["AAPL", "MSFT", "GOOG", "AMZN", "META", "NVDA", "TSLA", "IBM", "ORCL", "INTC"]
+)
+
+# DolphinDB's benchmark used an 11-column and a 211-column table (its schemas are in an
+# attachment we do not have). Ours: 11 columns of a typical tick/device row (~71 bytes in
+# Arrow), and 211 columns of wide numeric data (~1.27 KB) whose batch of 10,000 rows
+# (12.7 MB) stays under the 16 MiB publish limit.
+NARROW_COLUMNS: Final = 11
+WIDE_COLUMNS: Final = 211
+
+
+def schema_for(columns: int) -> pa.Schema:
+    head = [("id", pa.int64()), ("ts", pa.timestamp("ms")), ("sym", pa.string())]
+    if columns == NARROW_COLUMNS:
+        return pa.schema(
+            [
+                *head,
+                ("price", pa.float64()),
+                ("volume", pa.int64()),
+                ("bid", pa.float64()),
+                ("ask", pa.float64()),
+                ("bid_size", pa.int32()),
+                ("ask_size", pa.int32()),
+                ("exchange", pa.int32()),
+                ("flag", pa.bool_()),
+            ]
+        )
+    if columns == WIDE_COLUMNS:
+        half = (WIDE_COLUMNS - len(head)) // 2
+        floats = [(f"f{number:03d}", pa.float64()) for number in range(half)]
+        ints = [(f"i{number:03d}", pa.int32()) for number in range(half)]
+        return pa.schema([*head, *floats, *ints])
+    raise ValueError(f"columns must be {NARROW_COLUMNS} or {WIDE_COLUMNS}, got {columns}")
+
+
+def make_table(schema: pa.Schema, rows: int, first_id: int, seed: int = 0) -> pa.Table:
+    """`rows` rows with ids [first_id, first_id + rows), built column-wise."""
+    generator = np.random.default_rng(seed + first_id)
+    ids = np.arange(first_id, first_id + rows, dtype=np.int64)
+    arrays: list[pa.Array] = []
+    for column in schema:
+        if column.name == "id":
+            arrays.append(pa.array(ids))
+        elif column.name == "ts":
+            arrays.append(pa.array(1_750_000_000_000 + ids, type=pa.timestamp("ms")))
+        elif column.name == "sym":
+            arrays.append(pa.array(_SYMBOLS[ids % len(_SYMBOLS)]))
+        elif pa.types.is_floating(column.type):
+            arrays.append(pa.array(generator.random(rows) * 100.0))
+        elif pa.types.is_boolean(column.type):
+            arrays.append(pa.array(ids % 2 == 0))
+        else:
+            values = generator.integers(0, 1_000_000, rows)
+            arrays.append(pa.array(values.astype(column.type.to_pandas_dtype())))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def ipc_payload(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def payloads(schema: pa.Schema, rows: int, count: int, first_id: int = 0) -> list[bytes]:
+    """`count` distinct IPC stream payloads of `rows` rows each."""
+    return [
+        ipc_payload(make_table(schema, rows, first_id + number * rows)) for number in range(count)
+    ]
+
+
+# --- /proc ---------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of every thread of `pid` so far (/proc/<pid>/stat fields 14, 15)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        text = stat.read()
+    fields = text[text.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """VmRSS (now) and VmHWM (peak RSS since start) of `pid`, in KiB."""
+    values: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0])
+    return values
+
+
+def load_average() -> float:
+    with open("/proc/loadavg") as loadavg:
+        return float(loadavg.read().split()[0])
+
+
+def machine() -> dict[str, object]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    with open("/proc/meminfo") as meminfo:
+        memory_kb = int(meminfo.readline().split()[1])
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "memory_gib": round(memory_kb / 2**20, 1),
+        "python": platform.python_version(),
+        "pyarrow": pa.__version__,
+        "kernel": platform.release(),
+        "code": code_version(),
+    }
+
+
+def code_version() -> str:
+    """The last commit that changed the node (raftstore/, proto/), '+dirty' with local
+    changes there: what the measured node processes ran."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    commit = git("log", "-1", "--format=%h", "--", "raftstore", "proto") or "unknown"
+    dirty = git("status", "--porcelain", "--", "raftstore", "proto")
+    return commit + ("+dirty" if dirty else "")
+
+
+def node_pids(cluster: LocalCluster) -> dict[str, int]:
+    pids = {}
+    for alias, node in cluster.nodes.items():
+        if node.process is not None and node.process.poll() is None:
+            pids[alias] = node.process.pid
+    return pids
+
+
+@dataclass
+class CpuSample:
+    """CPU seconds of each node process and of this (client) process at one instant."""
+
+    nodes: dict[str, float]
+    client: float
+
+    @staticmethod
+    def take(pids: dict[str, int]) -> CpuSample:
+        return CpuSample(
+            {alias: cpu_seconds(pid) for alias, pid in pids.items()}, cpu_seconds(os.getpid())
+        )
+
+    def cores_since(self, earlier: CpuSample, wall_s: float) -> dict[str, float]:
+        """Average cores used by each process between `earlier` and this sample."""
+        used = {alias: (self.nodes[alias] - earlier.nodes[alias]) / wall_s for alias in self.nodes}
+        used["client"] = (self.client - earlier.client) / wall_s
+        return used
+
+
+# --- cluster -------------------------------------------------------------------------------
+
+
+@contextmanager
+def bench_cluster(
+    *, purge_interval_s: float, election_timeout_s: float, keep: bool = False, patches: str = ""
+) -> Iterator[LocalCluster]:
+    """A three-node cluster under /tmp (the same disk as everything else on this machine),
+    removed afterwards unless `keep`. With `patches`, the nodes run bench.patched_node
+    (candidate changes, for A/B measurements only)."""
+    root = Path(tempfile.mkdtemp(prefix="hastream-bench-"))
+    cluster: LocalCluster
+    if patches:
+        from bench.experiment import PatchedCluster
+
+        cluster = PatchedCluster(
+            root,
+            purge_interval_s=purge_interval_s,
+            election_timeout_s=election_timeout_s,
+            patches=patches,
+        )
+    else:
+        cluster = LocalCluster(
+            root, purge_interval_s=purge_interval_s, election_timeout_s=election_timeout_s
+        )
+    failed = False
+    try:
+        cluster.start()
+        cluster.leader(HA_GROUP)
+        yield cluster
+    except BaseException:
+        failed = True  # keep the node logs for the post-mortem
+        raise
+    finally:
+        cluster.stop()
+        if keep or failed:
+            print(f"cluster directory kept: {root}", flush=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _error_name(error: grpc.RpcError) -> str:
+    return str(dict(error.trailing_metadata() or ()).get("hastream-error", ""))
+
+
+def create_table(
+    cluster: LocalCluster,
+    alias: str | None,
+    table: str,
+    schema: pa.Schema,
+    *,
+    group: int,
+    cache_limit: int = 100_000,
+    key_column: str = "",
+) -> str:
+    """Create an HA table (group >= 2, on its leader) or a non-HA table (group 0, on node
+    `alias`, default the HA leader). Retries across leader changes (a table that exists
+    after a retry counts as created). Returns the node it was created on."""
+    request = pb.CreateTableRequest(
+        raft_group=group,
+        table=table,
+        schema_ipc=schema.serialize().to_pybytes(),
+        cache_limit=cache_limit,
+        key_column=key_column,
+    )
+    target: list[str] = []
+
+    def create() -> bool:
+        node = cluster.leader(HA_GROUP) if group != LOCAL_GROUP or alias is None else alias
+        try:
+            cluster.stub(node).HaStreamTable(request, timeout=30)
+        except grpc.RpcError as error:
+            if _error_name(error) != "TableExists":
+                raise
+        target.append(node)
+        return True
+
+    wait_until(create, timeout_s=120, interval_s=0.5, message=f"create {table}")
+    return target[-1]
+
+
+def drop_table(cluster: LocalCluster, alias: str, table: str, *, group: int) -> None:
+    """Drop `table` (forced), retrying across leader changes."""
+
+    def drop() -> bool:
+        node = cluster.leader(HA_GROUP) if group != LOCAL_GROUP else alias
+        try:
+            cluster.stub(node).DropStreamTable(
+                pb.DropTableRequest(table=table, force=True), timeout=30
+            )
+        except grpc.RpcError as error:
+            if _error_name(error) != "TableNotFound":
+                raise
+        return True
+
+    wait_until(drop, timeout_s=120, interval_s=0.5, message=f"drop {table}")
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(fraction * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def median(values: list[float]) -> float:
+    values = [value for value in values if value == value]  # drop NaN
+    return statistics.median(values) if values else float("nan")
