@@ -186,7 +186,16 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
     def __init__(self, hooks: ReplicaHooks, *args: Any, **kwargs: Any) -> None:
         # Set before SyncObj.__init__: its tick thread may run before the constructor returns.
         self._hooks = hooks
+        # Follower acknowledgements waiting for the fdatasync that makes them true.
+        self._deferred_acks: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         super().__init__(*args, **kwargs)
+
+    def _sync_and_acknowledge(self) -> None:
+        """fdatasync the journal once, then send every acknowledgement it made true."""
+        self._journal.sync()
+        acks, self._deferred_acks = self._deferred_acks, []
+        for args, kwargs in acks:
+            _original_send_next_node_idx(self, *args, **kwargs)
 
     @property
     def _journal(self) -> DurableJournal:
@@ -198,12 +207,13 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         # New entries were appended and already sent to the followers: fsync them here, in
         # parallel with the followers' own fsync, rather than at the next tick (the commit
         # computation there then finds nothing left to sync).
-        self._journal.sync()
+        self._sync_and_acknowledge()
 
     def _onTick(self, timeToWait: float = 0.0) -> None:
-        # Before the leader's commit computation counts this node: entries on disk.
+        # Before the leader's commit computation counts this node: entries on disk. On a
+        # follower, this one fdatasync covers every append_entries of the last poll.
         journal = self._journal
-        journal.sync()
+        self._sync_and_acknowledge()
         super()._onTick(timeToWait)
         if journal.bytes_total > limits.RAFT_LOG_BYTES_MAX:
             self.forceLogCompaction()
@@ -211,9 +221,34 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
 
 
 def _send_next_node_idx(self: _SyncObj, *args: Any, **kwargs: Any) -> None:
-    # A follower's "success" must mean "durable here".
-    self._journal.sync()
+    # A follower's "success" must mean "durable here". While entries are unsynced, the ack
+    # waits (in order) for the single fdatasync at the start of the next tick, which covers
+    # every message received in the same poll: one fsync per poll, not per message.
+    if self._journal.dirty or self._deferred_acks:
+        self._deferred_acks.append((args, kwargs))
+        return
     _original_send_next_node_idx(self, *args, **kwargs)
+
+
+def _on_message_received(self: _SyncObj, node: Any, message: Any) -> Any:
+    # pysyncobj sets nextIndex[follower] to the acknowledged index on every success, even
+    # when it already sent entries past it (a late ack of an earlier message): its next send
+    # would resend every in-flight entry, which the follower truncates, rewrites and fsyncs
+    # again (59% of entries under load). A success never moves nextIndex backwards here; a
+    # follower that really lacks entries answers success=False/reset=True, which still does.
+    if (
+        isinstance(message, dict)
+        and message.get("type") == "next_node_idx"
+        and message.get("success")
+        and not message.get("reset")
+    ):
+        next_index = self._SyncObj__raftNextIndex
+        before = next_index.get(node)
+        result = _original_on_message_received(self, node, message)
+        if before is not None and next_index.get(node, 0) < before:
+            next_index[node] = before
+        return result
+    return _original_on_message_received(self, node, message)
 
 
 def _do_apply_command(self: _SyncObj, command: bytes) -> Any:
@@ -231,9 +266,11 @@ def _do_apply_command(self: _SyncObj, command: bytes) -> Any:
 
 
 _original_send_next_node_idx = SyncObj._SyncObj__sendNextNodeIdx  # type: ignore[attr-defined]
+_original_on_message_received = SyncObj._SyncObj__onMessageReceived  # type: ignore[attr-defined]
 _original_do_apply_command = SyncObj._SyncObj__doApplyCommand  # type: ignore[attr-defined]
 _SyncObj._SyncObj__sendNextNodeIdx = _send_next_node_idx  # type: ignore[attr-defined]
 _SyncObj._SyncObj__doApplyCommand = _do_apply_command  # type: ignore[attr-defined]
+_SyncObj._SyncObj__onMessageReceived = _on_message_received  # type: ignore[attr-defined]
 
 _FAILURES: Final[dict[int, Callable[[], RaftStoreError]]] = {
     FAIL_REASON.QUEUE_FULL: lambda: Overloaded("raft commands", limits.RAFT_COMMAND_QUEUE_MAX),
@@ -286,6 +323,10 @@ class RaftReplica:
             raftMaxTimeout=2 * timeout,
             # A leader cut off from the majority stops accepting writes after this.
             leaderFallbackTimeout=max(2 * timeout, 1.0),
+            # pysyncobj drops a link with no reads for this long. This is also what drops the
+            # unbounded send buffer to a frozen (SIGSTOPped) follower, so it stays short. Cost
+            # (docs/benchmark.md): the idle follower-follower link trips it on the first vote
+            # request after a leader failure, so a failover usually takes two elections.
             connectionTimeout=2 * timeout,
             connectionRetryTime=0.5,
             commandsQueueSize=limits.RAFT_COMMAND_QUEUE_MAX,

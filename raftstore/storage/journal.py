@@ -257,6 +257,11 @@ class DurableJournal:
             self.syncs += 1
 
     @property
+    def dirty(self) -> bool:
+        """Entries were written or truncated since the last fdatasync."""
+        return self._dirty
+
+    @property
     def bytes_total(self) -> int:
         return self._bytes_total
 
