@@ -233,6 +233,15 @@ class Session:
                 return self._sites[0]
             return self._sites[(self._sites.index(site) + 1) % len(self._sites)]
 
+    def _next_site_except(self, site: str, skip: set[str]) -> str:
+        """The first site after `site` (wrapping around) that is not in `skip`."""
+        candidate = site
+        for _ in range(len(self.sites) + 1):
+            candidate = self.next_site(candidate)
+            if candidate not in skip:
+                return candidate
+        return self.next_site(site)
+
     def redirect_target(self, error: RaftStoreError, site: str) -> str | None:
         """For a NotLeader that names another node: that node's `host:port`, added to the
         site list if new. None when there is no usable hint."""
@@ -328,6 +337,11 @@ class Session:
         backoff = self.new_backoff(deadline_s)
         target = parse_site(site) if site is not None else self.route(table=table, group=group)
         redirected = False
+        # A leader hint that could not be reached in this call (e.g. a container host name
+        # that does not resolve here) is not followed again: the call goes on with the site
+        # after the one that redirected to it, so every listed site still gets its turn.
+        hint_origin: str | None = None
+        unreachable_hints: set[str] = set()
         not_found: set[str] = set()  # Sites that answered TableNotFound to this call.
         outcome_unknown = False  # An attempt failed after the request may have been applied.
         while True:  # Bounded: every retry path takes a wait from `backoff` or a new site.
@@ -352,15 +366,28 @@ class Session:
                     raise error from None
                 log.debug("call failed method=%s site=%s error=%s", method_name, target, error)
                 outcome_unknown |= _outcome_unknown(error)
+                resume_after: str | None = None
+                if hint_origin is not None and isinstance(error, NodeUnavailable):
+                    unreachable_hints.add(target)  # `target` was a hint and is unreachable
+                    resume_after = hint_origin
+                hint_origin = None
                 hint = self.redirect_target(error, target) if site is None else None
+                if hint in unreachable_hints:
+                    hint = None
                 self.forget_leader(target, table=table, group=group)
                 if hint is not None and not redirected and backoff.remaining_s() > 0:
                     redirected = True  # The first redirect goes at once; later ones back off.
-                    target = hint
+                    hint_origin, target = target, hint
                     continue
                 if not backoff.wait():
                     raise error from None
-                target = self._after_failure(target, error, hint=hint, pinned=site is not None)
+                if resume_after is not None:
+                    target = self._next_site_except(resume_after, unreachable_hints)
+                    continue
+                next_target = self._after_failure(target, error, hint=hint, pinned=site is not None)
+                if next_target == hint:
+                    hint_origin = target
+                target = next_target
             else:
                 if method_name in LEADER_METHODS:
                     self.remember_leader(target, table=table, group=group)

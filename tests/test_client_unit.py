@@ -338,6 +338,20 @@ def test_not_leader_redirects_to_hinted_site_and_remembers_it(
     assert len(leader.calls("GetTableInfo")) == 2
 
 
+def test_unreachable_leader_hint_does_not_hide_the_other_sites(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    """Followers name the leader by an address this client cannot reach (a container host
+    name seen from outside Docker): the call still tries every listed site."""
+    leader, first, second = start_node(), start_node(), start_node()
+    unreachable = f"{dead_site()}:node9"
+    for follower in (first, second):
+        follower.follower, follower.leader_hint = True, unreachable
+    with make_session(site(first), site(second), site(leader)) as session:
+        assert session.getTableInfo(TABLE).raft_group == 2
+    assert len(leader.calls("GetTableInfo")) == 1
+
+
 def test_not_leader_without_hint_tries_next_site(start_node: Callable[[], FakeNode]) -> None:
     leader, electing = start_node(), start_node()
     electing.follower = True
