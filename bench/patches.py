@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import Any, Final
 
 PATCHES: dict[str, Callable[[], None]] = {}
+# Taken into raftstore/replication.py and removed from here: "leader-overlap-fsync",
+# "follower-group-ack", "no-rewind" (docs/benchmark.md has their measurements).
 
 
 def patch(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
@@ -62,55 +64,6 @@ def _in_flight(count: int) -> None:
     from raftstore import limits
 
     limits.PROPOSALS_IN_FLIGHT_MAX = count  # type: ignore[misc]
-
-
-@patch("leader-overlap-fsync")
-def leader_overlap_fsync() -> None:
-    """replication._SyncObj: the leader fdatasyncs the entries it just appended right after
-    sending them to the followers (end of `_checkCommandsToApply`), so its fsync runs while
-    the followers receive and fsync, instead of at the start of the next tick, after the
-    followers' acks arrived. The start-of-tick sync stays (then usually a no-op), so the
-    leader still counts itself only for durable entries."""
-    from raftstore import replication
-
-    original = replication._SyncObj._checkCommandsToApply
-
-    def check_commands_then_sync(self: Any) -> None:
-        original(self)
-        if self._isLeader():
-            self._journal.sync()
-
-    replication._SyncObj._checkCommandsToApply = check_commands_then_sync
-
-
-@patch("follower-group-ack")
-def follower_group_ack() -> None:
-    """replication._send_next_node_idx: a follower that received several append_entries
-    messages in one poll fsyncs once and then acks them all (at the start of the next tick),
-    instead of one fdatasync per message."""
-    from raftstore import replication
-
-    send = replication._original_send_next_node_idx
-    tick = replication._SyncObj._onTick
-
-    def defer_ack(self: Any, node: Any, *args: Any, **kwargs: Any) -> None:
-        if self._journal._dirty:
-            self.__dict__.setdefault("_bench_acks", []).append((node, args, kwargs))
-            return
-        send(self, node, *args, **kwargs)
-
-    def sync_then_ack(self: Any, timeToWait: float = 0.0) -> None:
-        acks = self.__dict__.get("_bench_acks")
-        if acks:
-            self._journal.sync()
-            pending = list(acks)
-            acks.clear()
-            for node, args, kwargs in pending:
-                send(self, node, *args, **kwargs)
-        tick(self, timeToWait)
-
-    replication._SyncObj._SyncObj__sendNextNodeIdx = defer_ack
-    replication._SyncObj._onTick = sync_then_ack
 
 
 def _authenticator_class() -> Any:
@@ -450,36 +403,6 @@ def trace() -> None:
                 json.dump(state.summary(), file, indent=1)
 
     atexit.register(dump)
-
-
-@patch("no-rewind")
-def no_rewind() -> None:
-    """pysyncobj SyncObj.__onMessageReceived ('next_node_idx', success): pysyncobj sets
-    nextIndex[follower] = the acked index on every successful ack, even when it has already
-    sent entries past it (pipelining: a late ack from the slower follower). Its next send
-    then resends every in-flight entry, which the follower truncates and writes again (and
-    fdatasyncs). Keep nextIndex from going backwards on a success ack; a follower that lacks
-    entries answers success=False/reset=True, which still resets it."""
-    from raftstore import replication
-
-    original = replication._SyncObj._SyncObj__onMessageReceived
-
-    def on_message(self: Any, node: Any, message: Any) -> Any:
-        if (
-            isinstance(message, dict)
-            and message.get("type") == "next_node_idx"
-            and message.get("success")
-            and not message.get("reset")
-        ):
-            next_index = self._SyncObj__raftNextIndex
-            before = next_index.get(node)
-            result = original(self, node, message)
-            if before is not None and next_index.get(node, 0) < before:
-                next_index[node] = before
-            return result
-        return original(self, node, message)
-
-    replication._SyncObj._SyncObj__onMessageReceived = on_message
 
 
 @patch("idle-link")

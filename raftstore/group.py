@@ -381,10 +381,7 @@ class Group:
         self.require_leader()
         with self._lock:
             self._machine.validate_create(command)
-        result = self._propose(command)
-        assert isinstance(result, CommandResult)
-        if result.error is not None:
-            raise result.error
+        self._propose_command(command)
         return self.table_view(command.table)
 
     def drop_table(self, table: str, *, force: bool) -> None:
@@ -394,16 +391,14 @@ class Group:
         topics = [topic for topic in topics if topic.startswith(f"{table}/")]
         if topics and not force:
             raise TableSubscribed(table, topics)
-        result = self._propose(commands.DropTable(table=table, force=force))
-        assert isinstance(result, CommandResult)
-        if result.error is not None:
-            raise result.error
+        self._propose_command(commands.DropTable(table=table, force=force))
 
     def publish(self, item: commands.AppendItem) -> tuple[int, ItemResult]:
         """Append one batch; returns (lsn of the entry that carried it, its result)."""
         self.require_leader()
-        with self._lock:
-            self._machine.validate_append(item.table, item.payload)
+        # No group lock: validation reads only immutable table metadata (state_machine.py),
+        # and holding the lock here would stall the tick thread's apply behind Arrow checks.
+        self._machine.validate_append(item.table, item.payload)
         assert self._batcher is not None
         future = self._batcher.submit(item)
         lsn, result = self._wait(future)
@@ -414,18 +409,20 @@ class Group:
 
     def commit_offset(self, topic: str, offset: int) -> int:
         self.require_leader()
-        result = self._propose(commands.CommitOffset(topic=topic, offset=offset))
-        assert isinstance(result, CommandResult)
-        if result.error is not None:
-            raise result.error
+        self._propose_command(commands.CommitOffset(topic=topic, offset=offset))
         return offset
 
     def remove_offset(self, topic: str) -> None:
         self.require_leader()
-        result = self._propose(commands.RemoveOffset(topic=topic))
+        self._propose_command(commands.RemoveOffset(topic=topic))
+
+    def _propose_command(self, command: commands.Command) -> CommandResult:
+        """Propose a non-append command; raise the error its apply returned."""
+        result = self._propose(command)
         assert isinstance(result, CommandResult)
         if result.error is not None:
             raise result.error
+        return result
 
     def _propose(self, command: commands.Command) -> Any:
         future: Future[Any] = Future()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -53,33 +52,32 @@ class AckedPublisher:
 
     def publish(self, first_key: int, rows: int, *, deadline_s: float = 60) -> None:
         payload = ipc_stream(self.batch(first_key, rows))
-        deadline = time.monotonic() + deadline_s
-        while True:
-            alive = self.cluster.alive()
-            if not alive:
-                raise AssertionError(f"batch {first_key}: no node is alive")
-            alias = self._leader if self._leader in alive else alive[0]
-            try:
-                self.cluster.stub(alias).Publish(
-                    pb.PublishRequest(table=self.table, payload=payload), timeout=15
-                )
-                self.acked.extend(range(first_key, first_key + rows))
-                return
-            except grpc.RpcError as error:
-                self.errors_retried += 1
-                metadata = dict(error.trailing_metadata() or ())
-                leader = json.loads(metadata.get("hastream-error-fields", "{}")).get("leader")
-                alive = self.cluster.alive()
-                if leader and self.cluster.alias_of(leader) in alive:
-                    self._leader = self.cluster.alias_of(leader)
-                else:
-                    index = alive.index(alias) if alias in alive else -1
-                    self._leader = alive[(index + 1) % len(alive)] if alive else None
-                if time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"batch {first_key} never acknowledged: {error}"
-                    ) from error
-                time.sleep(0.05)
+        request = pb.PublishRequest(table=self.table, payload=payload)
+        wait_until(
+            lambda: self._attempt(request),
+            timeout_s=deadline_s,
+            message=f"batch {first_key} acknowledged",
+        )
+        self.acked.extend(range(first_key, first_key + rows))
+
+    def _attempt(self, request: pb.PublishRequest) -> bool:
+        """One publish to the believed leader; on failure, follow the hint or move on."""
+        alive = self.cluster.alive()
+        if not alive:
+            raise AssertionError(f"{self.table}: no node is alive")
+        alias = self._leader if self._leader in alive else alive[0]
+        try:
+            self.cluster.stub(alias).Publish(request, timeout=15)
+            return True
+        except grpc.RpcError as error:
+            self.errors_retried += 1
+            metadata = dict(error.trailing_metadata() or ())
+            leader = json.loads(metadata.get("hastream-error-fields", "{}")).get("leader")
+            if leader and self.cluster.alias_of(leader) in alive:
+                self._leader = self.cluster.alias_of(leader)
+            else:
+                self._leader = alive[(alive.index(alias) + 1) % len(alive)]
+            return False
 
 
 def assert_replicas_hold_exactly(

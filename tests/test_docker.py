@@ -28,6 +28,7 @@ from deploy.docker import client as docker_client_module
 from deploy.docker import deployment as plans
 from deploy.docker import images, tool
 from deploy.docker.deployment import Deployment
+from deploy.local_cluster import wait_until
 from proto import hastream_pb2, hastream_pb2_grpc
 from raftstore import config
 
@@ -117,14 +118,7 @@ def _sweep(engine: Any) -> None:
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """Poll until `predicate` returns a truthy value; fail with `what` at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.1)
+    return wait_until(predicate, timeout_s=timeout_s, interval_s=0.1, message=what)
 
 
 def rows(first_id: int, count: int) -> pa.Table:
@@ -286,7 +280,7 @@ early = {}
 thread = threading.Thread(target=lambda: early.update(outcome=publish(-1)))
 thread.start()  # blocks until the proposal fails; meanwhile watch the node step down
 while role() == "leader" and time.time() - cut_at < deadline_s:
-    time.sleep(0.05)
+    thread.join(timeout=0.05)  # the publish ends when the proposal fails
 result["role"], result["not_leader_after_cut_s"] = role(), time.time() - cut_at
 thread.join()
 result["early_publish"] = early["outcome"]

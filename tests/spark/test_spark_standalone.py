@@ -179,15 +179,20 @@ def _group_alive(pgid: int) -> bool:
 def _stop_group(process: subprocess.Popen[bytes], grace_s: float = 20) -> None:
     """SIGTERM to a process group this test started (a JVM with its executors and Python
     workers), SIGKILL to what is left of it after `grace_s`."""
+    from deploy.local_cluster import wait_until  # test side only: not in the application
+
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while process.poll() is None or _group_alive(process.pid):
-        if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            break
-        time.sleep(0.1)
+    try:
+        wait_until(
+            lambda: process.poll() is not None and not _group_alive(process.pid),
+            timeout_s=grace_s,
+            interval_s=0.1,
+            message=f"process group {process.pid} to exit",
+        )
+    except AssertionError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=30)
 
 
@@ -200,23 +205,18 @@ def _poll(
 ) -> None:
     """Polls `predicate` until it is true; fails at the deadline or as soon as a watched
     process exits (with its log's tail). OSError (the UI not listening yet) is retried."""
-    deadline = time.monotonic() + timeout_s
-    last_error: OSError | None = None
-    while True:
+    from deploy.local_cluster import wait_until  # test side only: not in the application
+
+    def ready() -> bool:
         for name, process, log in watch:
-            if process.poll() is not None:
+            if process.poll() is not None:  # pytest.fail is not retried by wait_until
                 pytest.fail(
                     f"{name} exited {process.returncode} before {what}:\n{_tail(log)}",
                     pytrace=False,
                 )
-        try:
-            if predicate():
-                return
-        except OSError as error:
-            last_error = error
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s: {what} (last error: {last_error})")
-        time.sleep(0.2)
+        return bool(predicate())
+
+    wait_until(ready, timeout_s=timeout_s, interval_s=0.2, message=what)
 
 
 def _tail(path: Path, lines: int = 40) -> str:
