@@ -20,7 +20,10 @@ Clock = Callable[[], float]
 Sleep = Callable[[float], object]
 
 BACKOFF_INITIAL_S: Final = 0.05
-BACKOFF_MAX_S: Final = 1.0
+# Short on purpose: a leader election ends within ~2 s (docs/benchmark.md, failover), and a
+# client asleep in a long backoff when it ends adds its whole sleep to the outage. A retry is
+# one cheap RPC, so 4 per second per client costs the cluster little during an outage.
+BACKOFF_MAX_S: Final = 0.25
 BACKOFF_MULTIPLIER: Final = 2.0
 # Each delay is drawn from [base * (1 - JITTER), base], so concurrent clients spread out
 # while every delay still grows with the attempt number.

@@ -23,7 +23,14 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
    broken chunked send is never used; socket buffers are 4 MiB.
 4. Encoding cost. Messages are pickled with protocol 5 and not zlib-compressed (Arrow batches
    are already compact; zlib cost ~70 ms per MiB of random data).
-5. Peer authentication. pysyncobj unpickles whatever arrives on its port, so the port is
+5. Peer links. pysyncobj drops a link after `connectionTimeout` without reads, checked on
+   every send and every read event. Two followers never talk between elections, so their
+   idle link tripped on the first vote request after a leader failure (which it dropped):
+   every failover took two elections. Here the read timeout applies only to a link this
+   node has sent on within the timeout (a peer that stopped answering, e.g. SIGSTOPped),
+   and a link whose unsent bytes pass `RAFT_SEND_BUFFER_BYTES_MAX` is dropped at once:
+   pysyncobj's send buffer is otherwise unbounded while a peer does not read.
+6. Peer authentication. pysyncobj unpickles whatever arrives on its port, so the port is
    bound to the configured address and every message must carry an AES-GMAC tag keyed with
    the cluster secret (`_GmacAuthenticator`, replacing Fernet: authentication is what stops
    remote code execution, and GMAC costs a fraction of AES-CBC+base64 on multi-MiB batches).
@@ -38,6 +45,7 @@ import hashlib
 import itertools
 import logging
 import os
+import socket
 import struct
 import zlib
 from collections.abc import Callable
@@ -62,6 +70,10 @@ _REGULAR: Final = 0  # pysyncobj's _COMMAND_TYPE.REGULAR
 _TAG_REGULAR: Final = bytes([_REGULAR])
 _STATE_LEADER: Final = 2  # pysyncobj's _RAFT_STATE.LEADER
 _AUTH_SALT: Final = b"hastream-raft-peer-auth-v1"
+# Unsent bytes queued for one peer beyond which its link is dropped (and later reconnected;
+# the leader then resends from the follower's log end). Far above what a healthy follower
+# lags by: the leader has at most PROPOSALS_IN_FLIGHT_MAX entries outstanding.
+RAFT_SEND_BUFFER_BYTES_MAX: Final = 8 * limits.ENTRY_BYTES_MAX + limits.RAFT_SOCKET_BUFFER_BYTES
 
 ProposalCallback = Callable[[Any, RaftStoreError | None], None]
 
@@ -175,6 +187,55 @@ def _patch_pysyncobj() -> None:
     pysyncobj_syncobj.createJournal = _create_journal
     pysyncobj_syncobj.getEncryptor = _GmacAuthenticator
     pysyncobj_syncobj.HAS_CRYPTO = True
+    connection = pysyncobj_tcp_connection.TcpConnection
+    connection.send = _connection_send
+    connection._TcpConnection__processConnectionTimeout = _connection_timeout
+
+
+_original_connection_send = pysyncobj_tcp_connection.TcpConnection.send
+
+
+def _connection_send(self: Any, message: Any) -> None:
+    _original_connection_send(self, message)  # its timeout check sees the previous send
+    self._hastream_last_send = pysyncobj_tcp_connection.monotonicTime()
+    unsent = self.getSendBufferSize()
+    if unsent > RAFT_SEND_BUFFER_BYTES_MAX:
+        log.warning("dropping raft link: %d unsent bytes, the peer is not reading", unsent)
+        self.disconnect()
+
+
+def _connection_timeout(self: Any) -> None:
+    # Replaces TcpConnection.__processConnectionTimeout, which drops a link after
+    # connectionTimeout without reads, checked on every send and every poll event. Silence
+    # only means a dead or frozen peer when this node has been talking to it; so a link is
+    # kept when bytes wait to be read (the peer is alive; the read that follows resets the
+    # clock) or when this node had not sent on it within the timeout either (an idle link:
+    # the message now being sent, e.g. a vote request, must go out, not be dropped).
+    now = pysyncobj_tcp_connection.monotonicTime()
+    timeout = self._TcpConnection__timeout
+    if now - self._TcpConnection__lastReadTime <= timeout:
+        return
+    state = self._TcpConnection__state
+    if state == pysyncobj_tcp_connection.CONNECTION_STATE.CONNECTING:
+        self.disconnect()
+        return
+    if _bytes_waiting(self._TcpConnection__socket):
+        return
+    if now - getattr(self, "_hastream_last_send", float("-inf")) <= timeout:
+        self.disconnect()
+
+
+def _bytes_waiting(sock: socket.socket | None) -> bool:
+    """True when a read on `sock` would not block: data, end of stream or an error."""
+    if sock is None:
+        return False
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 # --- the replica ---------------------------------------------------------------------------
@@ -320,13 +381,13 @@ class RaftReplica:
             sendBufferSize=limits.RAFT_SOCKET_BUFFER_BYTES,
             recvBufferSize=limits.RAFT_SOCKET_BUFFER_BYTES,
             raftMinTimeout=timeout,
-            raftMaxTimeout=2 * timeout,
+            # A narrow spread: the first follower to time out wins in one round (a vote
+            # takes milliseconds), and the worst-case detection stays at 1.5x the timeout.
+            raftMaxTimeout=1.5 * timeout,
             # A leader cut off from the majority stops accepting writes after this.
             leaderFallbackTimeout=max(2 * timeout, 1.0),
-            # pysyncobj drops a link with no reads for this long. This is also what drops the
-            # unbounded send buffer to a frozen (SIGSTOPped) follower, so it stays short. Cost
-            # (docs/benchmark.md): the idle follower-follower link trips it on the first vote
-            # request after a leader failure, so a failover usually takes two elections.
+            # A link this node sends on and hears nothing from for this long is dropped
+            # (a frozen peer); idle links are exempt (see _connection_timeout).
             connectionTimeout=2 * timeout,
             connectionRetryTime=0.5,
             commandsQueueSize=limits.RAFT_COMMAND_QUEUE_MAX,

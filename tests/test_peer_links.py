@@ -1,0 +1,118 @@
+"""Raft peer links (replication.py's TcpConnection patches) on real loopback sockets, and the
+failover they make one election long on a real cluster."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from pysyncobj.poller import PollPoller
+from pysyncobj.tcp_connection import CONNECTION_STATE, TcpConnection
+
+from raftstore import replication
+from tests.harness import LocalCluster, wait_until
+
+TIMEOUT_S = 5.0
+
+
+@dataclass
+class Link:
+    """A pysyncobj connection on one end of a loopback TCP pair; `peer` is the other end."""
+
+    connection: TcpConnection
+    peer: socket.socket
+    disconnects: list[bool] = field(default_factory=list)
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.connection.state == CONNECTION_STATE.CONNECTED)
+
+    def go_silent(self) -> None:
+        """As if nothing had been read on the link for longer than its timeout."""
+        self.connection._TcpConnection__lastReadTime -= 2 * TIMEOUT_S
+
+
+@pytest.fixture
+def link() -> Iterator[Link]:
+    replication._patch_pysyncobj()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        ours = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+    ours.setblocking(False)
+    disconnects: list[bool] = []
+    connection = TcpConnection(
+        PollPoller(),
+        onDisconnected=lambda: disconnects.append(True),
+        socket=ours,
+        timeout=TIMEOUT_S,
+    )
+    yield Link(connection, peer, disconnects)
+    connection.disconnect()
+    peer.close()
+
+
+def test_first_message_on_an_idle_link_is_sent_not_dropped(link: Link) -> None:
+    # Two followers never talk between elections; the candidate's vote request must get out.
+    link.go_silent()
+    link.connection.send({"type": "request_vote", "term": 7})
+    assert link.connected
+    link.peer.settimeout(TIMEOUT_S)
+    assert link.peer.recv(1 << 16)
+
+
+def test_a_peer_that_stops_answering_what_we_send_is_dropped(link: Link) -> None:
+    link.connection.send({"type": "append_entries"})
+    link.go_silent()  # we keep sending; nothing comes back (a SIGSTOPped follower)
+    link.connection.send({"type": "append_entries"})
+    assert not link.connected
+    assert link.disconnects == [True]
+
+
+def test_a_silent_link_with_bytes_waiting_is_kept(link: Link) -> None:
+    # The reply to our vote request arrives after a long silence: read it, do not drop it.
+    link.connection.send({"type": "request_vote"})
+    link.peer.sendall(b"\x00\x00\x00\x00")
+    wait_until(
+        lambda: replication._bytes_waiting(link.connection._TcpConnection__socket),
+        timeout_s=TIMEOUT_S,
+    )
+    link.go_silent()
+    link.connection._TcpConnection__processConnectionTimeout()
+    assert link.connected
+
+
+def test_send_buffer_past_the_cap_drops_the_link(
+    link: Link, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cap = 1 << 20
+    monkeypatch.setattr(replication, "RAFT_SEND_BUFFER_BYTES_MAX", cap)
+    # The peer never reads: the kernel buffers fill, then pysyncobj's own buffer grows.
+    chunk = b"x" * (256 << 10)
+    for _ in range(400):
+        link.connection.send({"type": "append_entries", "data": chunk})
+        if not link.connected:
+            break
+    assert not link.connected, "the link outlived 100 MiB of unread sends"
+    assert link.connection.getSendBufferSize() == 0  # memory released
+
+
+@pytest.mark.cluster
+def test_leader_kill_on_an_idle_cluster_takes_one_election(tmp_path: Path) -> None:
+    cluster = LocalCluster(tmp_path / "cluster", election_timeout_s=0.5).start()
+    try:
+        leader = cluster.leader()
+        term = cluster.group_status(leader, 2)["term"]
+        # Let the follower-follower link idle past connectionTimeout (2 x 0.5 s): before the
+        # fix, the vote request on it was dropped and the first election always failed.
+        idle_since = time.monotonic()
+        wait_until(lambda: time.monotonic() - idle_since > 2.5, timeout_s=10)
+        cluster.kill(leader)
+        new_leader = cluster.leader(timeout_s=30)
+        assert new_leader != leader
+        assert cluster.group_status(new_leader, 2)["term"] == term + 1
+    finally:
+        cluster.stop()
