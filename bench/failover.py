@@ -209,7 +209,7 @@ def markdown(outcome: Outcome, args: argparse.Namespace, meta: dict[str, object]
         f"`python -m bench.failover {' '.join(meta['argv'])}`. "
         f"{args.kills} kill(s); publisher at {args.rate:g} batches/s x {args.batch} rows "
         f"(api_clients Publisher, retries with the same producer id/sequence); "
-        f"election timeout {args.election_timeout:g} s (max {2 * args.election_timeout:g} s); "
+        f"election timeout {args.election_timeout:g} s (max {1.5 * args.election_timeout:g} s); "
         f"load average {meta['load']:.1f} (2 cores, shared)."
         + (f" Nodes run with bench.patches `{args.patches}`." if args.patches else ""),
         "",

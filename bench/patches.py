@@ -405,28 +405,6 @@ def trace() -> None:
     atexit.register(dump)
 
 
-@patch("idle-link")
-def idle_link() -> None:
-    """replication.RaftReplica (SyncObjConf connectionTimeout = 2 x election timeout): the two
-    followers of a 3-node group never exchange a message, so their link has no reads; the
-    first send on it after `connectionTimeout` (the candidate's request_vote, sent once per
-    term) trips TcpConnection.__processConnectionTimeout, which disconnects and drops the
-    message: the first election after a leader failure always fails. Here the idle-read
-    timeout is raised to 60 s (dead peers are still found by TCP keepalive and by the
-    leader's heartbeats); the real fix may instead refresh the read clock of an idle link
-    before sending."""
-    from raftstore import replication
-
-    base = replication.SyncObjConf
-
-    class Conf(base):  # type: ignore[misc, valid-type]
-        def __init__(self, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            self.connectionTimeout = 60.0
-
-    replication.SyncObjConf = Conf
-
-
 @patch("tcp-recv")
 def tcp_recv() -> None:
     """pysyncobj.tcp_connection.TcpConnection, receive side only (wrapped from
