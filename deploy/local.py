@@ -402,7 +402,8 @@ def _leader_text(cluster: ClusterConfig, rows: dict[str, dict[str, Any] | None])
     (it may have just died: followers keep naming it until an election)."""
     leading = [alias for alias, row in rows.items() if row and row.get("role") == "leader"]
     if leading:
-        return " | ".join(str(cluster.node(alias).address) for alias in leading)
+        # As the nodes name each other (to clients): the advertised address.
+        return " | ".join(str(cluster.node(alias).advertised_address) for alias in leading)
     named = sorted({str(row.get("leader") or "") for row in rows.values() if row} - {""})
     if named:
         return f"unconfirmed ({' | '.join(named)} is named but does not answer as leader)"

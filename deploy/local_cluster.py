@@ -121,7 +121,15 @@ class LocalCluster:
             ]
             self.nodes[alias] = NodeProcess(alias, port, self.root / f"{alias}.log")
         self.config_path = self.root / "cluster.cfg"
+        self._config_lines = lines
         self.config_path.write_text("\n".join(lines) + "\n")
+
+    def advertise(self, alias: str, host: str, port: int) -> None:
+        """Set the node's `advertisedHost`/`advertisedPort` (what it is called to clients);
+        it still binds 127.0.0.1:<its port>. Only before the node first starts."""
+        assert self.nodes[alias].process is None, f"{alias} already started"
+        self._config_lines += [f"{alias}.advertisedHost={host}", f"{alias}.advertisedPort={port}"]
+        self.config_path.write_text("\n".join(self._config_lines) + "\n")
 
     # --- processes ---
 

@@ -14,7 +14,15 @@ of the line (there are no trailing comments, so a secret may contain `#`). Keys:
     node1.host=127.0.0.1                              a node is declared by `<alias>.port`
     node1.port=8901                                   client gRPC port
     node1.raftPorts=2:9201,3:9301                     one Raft port per group of the node
+    node1.advertisedHost=db1.example.com              optional; default: node1.host
+    node1.advertisedPort=18901                        optional; default: node1.port
     node1.persistenceDir=... / node1.streamingHADir=...   per-node overrides
+
+A node binds its gRPC and Raft ports on `host`, and its peers dial `host:port` (catch-up)
+and `host:<raft port>`. `advertisedHost:advertisedPort` is what the node is called when
+the cluster names it to a CLIENT (NotLeader hints, getStreamingLeader, getStreamingRaftGroups,
+GetNodeStatus): the address a client reaches it on, when that differs from the one inside
+the cluster (Docker's published ports, NAT), as Kafka's `advertised.listeners`.
 
 `<ALIAS>` in a directory is replaced by the node's alias; relative directories resolve
 against the directory holding the cfg file. Every refusal raises `ConfigError(path, key,
@@ -56,7 +64,17 @@ GLOBAL_KEYS: Final = (
 FIELD_HOST: Final = "host"
 FIELD_PORT: Final = "port"
 FIELD_RAFT_PORTS: Final = "raftPorts"
-NODE_FIELDS: Final = (FIELD_HOST, FIELD_PORT, FIELD_RAFT_PORTS, KEY_PERSISTENCE_DIR, KEY_HA_DIR)
+FIELD_ADVERTISED_HOST: Final = "advertisedHost"
+FIELD_ADVERTISED_PORT: Final = "advertisedPort"
+NODE_FIELDS: Final = (
+    FIELD_HOST,
+    FIELD_PORT,
+    FIELD_RAFT_PORTS,
+    FIELD_ADVERTISED_HOST,
+    FIELD_ADVERTISED_PORT,
+    KEY_PERSISTENCE_DIR,
+    KEY_HA_DIR,
+)
 
 HA_MODE_RAFT: Final = "raft"
 ALIAS_PLACEHOLDER: Final = "<ALIAS>"
@@ -79,9 +97,12 @@ _INTEGER_PATTERN: Final = re.compile(r"[0-9]{1,10}")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NodeConfig:
     alias: str
-    host: str
-    port: int  # client gRPC port
+    host: str  # binds here; peers dial it
+    port: int  # client gRPC port, bound on `host`
     raft_ports: tuple[tuple[int, int], ...]  # (group_id, port), sorted by group
+    # What clients are told (NotLeader hints, leader and site answers); default host/port.
+    advertised_host: str
+    advertised_port: int
     persistence_dir: Path  # absolute, <ALIAS> substituted
     ha_dir: Path  # absolute, <ALIAS> substituted
 
@@ -99,8 +120,14 @@ class NodeConfig:
 
     @property
     def address(self) -> NodeAddress:
-        """The client endpoint, `host:port:alias`."""
+        """The gRPC endpoint inside the cluster, `host:port:alias`: where the node binds
+        and where its peers dial it. Never handed to clients (see `advertised_address`)."""
         return NodeAddress(host=self.host, port=self.port, alias=self.alias)
+
+    @property
+    def advertised_address(self) -> NodeAddress:
+        """The gRPC endpoint clients are told, `advertisedHost:advertisedPort:alias`."""
+        return NodeAddress(host=self.advertised_host, port=self.advertised_port, alias=self.alias)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,6 +208,7 @@ def parse(text: str, path: Path) -> ClusterConfig:
         for alias, fields in node_values.items()
     )
     _check_ports_unique(where, nodes)
+    _check_advertised_unique(where, nodes)
     _check_dirs_disjoint(where, nodes)
     return ClusterConfig(
         path=path,
@@ -218,6 +246,10 @@ def render(cluster: ClusterConfig) -> str:
         lines.append(f"{node.alias}.{FIELD_PORT}={node.port}")
         raft_ports = ",".join(f"{group}:{port}" for group, port in node.raft_ports)
         lines.append(f"{node.alias}.{FIELD_RAFT_PORTS}={raft_ports}")
+        if node.advertised_host != node.host:
+            lines.append(f"{node.alias}.{FIELD_ADVERTISED_HOST}={node.advertised_host}")
+        if node.advertised_port != node.port:
+            lines.append(f"{node.alias}.{FIELD_ADVERTISED_PORT}={node.advertised_port}")
         if persistence_template is None:
             lines.append(
                 f"{node.alias}.{KEY_PERSISTENCE_DIR}={_renderable(str(node.persistence_dir))}"
@@ -439,14 +471,12 @@ def _parse_node(
     groups: tuple[RaftGroupConfig, ...],
 ) -> NodeConfig:
     host_key = f"{alias}.{FIELD_HOST}"
-    host = _required(where, host_key, fields.get(FIELD_HOST))
-    if HOST_PATTERN.fullmatch(host) is None:
-        reason = "bad host; expected a name or IPv4 address (letters, digits, '.', '-', '_')"
-        raise ConfigError(where, host_key, host, reason)
+    host = _parse_host(where, host_key, _required(where, host_key, fields.get(FIELD_HOST)))
     port_key = f"{alias}.{FIELD_PORT}"
     port = _parse_port(where, port_key, fields[FIELD_PORT], fields[FIELD_PORT])
     member_of = tuple(group.group_id for group in groups if alias in group.members)
     raft_ports = _parse_raft_ports(where, alias, fields.get(FIELD_RAFT_PORTS), member_of)
+    advertised_host, advertised_port = _parse_advertised(where, alias, fields, host, port)
     persistence_dir = _node_dir(where, base_dir, alias, KEY_PERSISTENCE_DIR, fields, global_values)
     ha_dir = _node_dir(where, base_dir, alias, KEY_HA_DIR, fields, global_values)
     return NodeConfig(
@@ -454,9 +484,41 @@ def _parse_node(
         host=host,
         port=port,
         raft_ports=raft_ports,
+        advertised_host=advertised_host,
+        advertised_port=advertised_port,
         persistence_dir=persistence_dir,
         ha_dir=ha_dir,
     )
+
+
+def _parse_host(where: str, key: str, host: str) -> str:
+    if HOST_PATTERN.fullmatch(host) is None:
+        reason = "bad host; expected a name or IPv4 address (letters, digits, '.', '-', '_')"
+        raise ConfigError(where, key, host, reason)
+    return host
+
+
+def _parse_advertised(
+    where: str, alias: str, fields: dict[str, str], host: str, port: int
+) -> tuple[str, int]:
+    """`(advertisedHost, advertisedPort)`; each defaults to the node's `host`/`port`. Set
+    but empty is refused: a key that says nothing is more likely a mistake than a default."""
+    advertised_host, advertised_port = host, port
+    host_text = fields.get(FIELD_ADVERTISED_HOST)
+    if host_text is not None:
+        key = f"{alias}.{FIELD_ADVERTISED_HOST}"
+        if host_text == "":
+            reason = f"empty; remove the key to advertise {alias}.{FIELD_HOST}"
+            raise ConfigError(where, key, host_text, reason)
+        advertised_host = _parse_host(where, key, host_text)
+    port_text = fields.get(FIELD_ADVERTISED_PORT)
+    if port_text is not None:
+        key = f"{alias}.{FIELD_ADVERTISED_PORT}"
+        if port_text == "":
+            reason = f"empty; remove the key to advertise {alias}.{FIELD_PORT}"
+            raise ConfigError(where, key, port_text, reason)
+        advertised_port = _parse_port(where, key, port_text, port_text)
+    return advertised_host, advertised_port
 
 
 def _parse_raft_ports(
@@ -522,6 +584,35 @@ def _check_ports_unique(where: str, nodes: tuple[NodeConfig, ...]) -> None:
                 reason = f"port {port} on host {node.host} is already used by {owners[slot]}"
                 raise ConfigError(where, key, value, reason)
             owners[slot] = key
+
+
+def _advertised_key(node: NodeConfig) -> tuple[str, str]:
+    """The key (and its value) that sets the node's advertised address: the most specific
+    one that differs from the default, for messages."""
+    if node.advertised_port != node.port:
+        return f"{node.alias}.{FIELD_ADVERTISED_PORT}", str(node.advertised_port)
+    if node.advertised_host != node.host:
+        return f"{node.alias}.{FIELD_ADVERTISED_HOST}", node.advertised_host
+    return f"{node.alias}.{FIELD_PORT}", str(node.port)
+
+
+def _check_advertised_unique(where: str, nodes: tuple[NodeConfig, ...]) -> None:
+    """No two nodes advertise one `host:port`: a client told to go to the leader would
+    reach whichever node holds that address, and could never reach the other."""
+    owners: dict[tuple[str, int], NodeConfig] = {}
+    for node in nodes:
+        slot = (node.advertised_host.lower(), node.advertised_port)
+        other = owners.get(slot)
+        if other is not None:
+            key, value = _advertised_key(node)
+            other_key, other_value = _advertised_key(other)
+            endpoint = f"{node.advertised_host}:{node.advertised_port}"
+            reason = (
+                f"client address {endpoint} is also advertised by {other.alias} "
+                f"({other_key}={other_value})"
+            )
+            raise ConfigError(where, key, value, reason)
+        owners[slot] = node
 
 
 def _check_dirs_disjoint(where: str, nodes: tuple[NodeConfig, ...]) -> None:

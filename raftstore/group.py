@@ -86,12 +86,22 @@ class Replica(Protocol):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Member:
+    """One member of a group by its two gRPC addresses (cluster.cfg `<alias>.host/port` and
+    `<alias>.advertisedHost/advertisedPort`; equal unless the cfg advertises another)."""
+
+    address: NodeAddress  # where peers dial it (catch-up); never handed to clients
+    advertised: NodeAddress  # what clients are told: NotLeader hints, leader answers
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GroupSettings:
     group_id: int
     data_dir: Path  # persistenceDir/group-<id>
+    # This node's ADVERTISED address: what `Group.leader()` returns when this node leads.
     self_address: NodeAddress
-    # Raft address ("host:port") -> client address of every member, self included.
-    members: dict[str, NodeAddress]
+    # Raft address ("host:port") -> every member, self included.
+    members: dict[str, Member]
 
 
 class Group:
@@ -131,6 +141,12 @@ class Group:
     # --- leadership -------------------------------------------------------------------
 
     def leader(self) -> NodeAddress | None:
+        """The leader's address as clients are told it (advertised), for NotLeader hints and
+        leader answers; None while unknown. A hint: pysyncobj's view can be stale."""
+        member = self._leader_member()
+        return None if member is None else member.advertised
+
+    def _leader_member(self) -> Member | None:
         raft_address = self.replica.leader_address()
         if raft_address is None:
             return None
@@ -361,12 +377,15 @@ class Group:
         return False
 
     def _peers_leader_first(self) -> list[NodeAddress]:
-        leader = self.leader()
-        peers = [a for a in self.settings.members.values() if a != self.settings.self_address]
-        if leader in peers:
-            peers.remove(leader)
-            peers.insert(0, leader)
-        return peers
+        """The other members' cluster-internal addresses (not the advertised ones: those
+        are for clients, and may not resolve or route from inside the cluster)."""
+        leader = self._leader_member()
+        self_alias = self.settings.self_address.alias
+        others = [m for m in self.settings.members.values() if m.address.alias != self_alias]
+        if leader in others:
+            others.remove(leader)
+            others.insert(0, leader)
+        return [member.address for member in others]
 
     def _finish_catch_up(self) -> None:
         pending, self._pending = self._pending, []

@@ -23,7 +23,7 @@ from proto import hastream_pb2_grpc
 from raftstore import limits
 from raftstore.config import ClusterConfig
 from raftstore.errors import UnknownGroup
-from raftstore.group import Group, GroupSettings
+from raftstore.group import Group, GroupSettings, Member
 from raftstore.local_replica import LOCAL_ADDRESS, LocalReplica
 from raftstore.model import LOCAL_GROUP
 from raftstore.peers import PeerClient
@@ -66,8 +66,9 @@ class Node:
         return group
 
     def group_sites(self, group_id: int) -> list[str]:
+        """The members' advertised addresses: these are handed to clients."""
         members = self.cluster.group(group_id).members
-        return [str(self.cluster.node(alias).address) for alias in members]
+        return [str(self.cluster.node(alias).advertised_address) for alias in members]
 
     # --- lifecycle (main thread) ---
 
@@ -94,23 +95,27 @@ class Node:
         settings = GroupSettings(
             group_id=LOCAL_GROUP,
             data_dir=self.config.persistence_dir / "local",
-            self_address=self.config.address,
-            members={LOCAL_ADDRESS: self.config.address},
+            self_address=self.config.advertised_address,
+            members={LOCAL_ADDRESS: self._member(self.alias)},
         )
         group = Group(settings, self._peers.fetch_records)
         replica = LocalReplica(self.config.ha_dir / "local", group, self.cluster.purge_interval_s)
         group.attach(replica)
         self._groups[LOCAL_GROUP] = group
 
+    def _member(self, alias: str) -> Member:
+        node = self.cluster.node(alias)
+        return Member(address=node.address, advertised=node.advertised_address)
+
     def _start_raft_group(self, group_id: int) -> None:
         members = {
-            self.cluster.raft_address(alias, group_id): self.cluster.node(alias).address
+            self.cluster.raft_address(alias, group_id): self._member(alias)
             for alias in self.cluster.group(group_id).members
         }
         settings = GroupSettings(
             group_id=group_id,
             data_dir=self.config.persistence_dir / f"group-{group_id}",
-            self_address=self.config.address,
+            self_address=self.config.advertised_address,
             members=members,
         )
         group = Group(settings, self._peers.fetch_records)
@@ -157,7 +162,12 @@ class Node:
         print(
             READY_LINE.format(alias=self.alias, port=self.config.port), file=sys.stderr, flush=True
         )
-        log.info("node ready alias=%s port=%d", self.alias, self.config.port)
+        log.info(
+            "node ready alias=%s address=%s advertised=%s",
+            self.alias,
+            self.config.address,
+            self.config.advertised_address,
+        )
         while not self._stopping.wait(timeout=1.0):
             pass
         self.stop()

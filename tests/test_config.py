@@ -147,11 +147,42 @@ def test_accessors() -> None:
     cluster = config.parse(BASE, CFG_PATH)
     node = cluster.node("n1")
     assert node.address == NodeAddress(host="127.0.0.1", port=8901, alias="n1")
+    assert node.advertised_address == node.address
     assert node.raft_port(2) == 9201
     assert cluster.group(2).members == ("n1", "n2", "n3")
     assert cluster.groups_of("n3") == cluster.groups
     assert cluster.raft_address("n2", 2) == "127.0.0.1:9202"
     assert cluster.raft_peers("n2", 2) == ("127.0.0.1:9201", "127.0.0.1:9203")
+
+
+def test_advertised_address_defaults_to_host_and_port() -> None:
+    node = config.parse(BASE, CFG_PATH).node("n2")
+    assert (node.advertised_host, node.advertised_port) == ("127.0.0.1", 8902)
+
+
+def test_advertised_host_and_port_are_what_clients_are_told() -> None:
+    text = cfg(n2__advertisedHost="db2.example.com", n2__advertisedPort="18902")
+    node = config.parse(text, CFG_PATH).node("n2")
+    assert node.advertised_address == NodeAddress(host="db2.example.com", port=18902, alias="n2")
+    # The node still binds, and its peers still dial, the cfg host and port.
+    assert node.address == NodeAddress(host="127.0.0.1", port=8902, alias="n2")
+    assert config.parse(text, CFG_PATH).raft_address("n2", 2) == "127.0.0.1:9202"
+
+
+def test_advertised_host_alone_keeps_the_port() -> None:
+    node = config.parse(cfg(n3__advertisedHost="10.1.2.3"), CFG_PATH).node("n3")
+    assert node.advertised_address == NodeAddress(host="10.1.2.3", port=8903, alias="n3")
+
+
+def test_advertised_port_alone_keeps_the_host() -> None:
+    node = config.parse(cfg(n3__advertisedPort="443"), CFG_PATH).node("n3")
+    assert node.advertised_address == NodeAddress(host="127.0.0.1", port=443, alias="n3")
+
+
+def test_advertised_port_may_equal_a_bound_port_of_another_node() -> None:
+    # A published port lives on another machine (or NAT): it cannot clash with a bind.
+    text = cfg(n1__advertisedHost="gateway", n1__advertisedPort="8902")
+    assert config.parse(text, CFG_PATH).node("n1").advertised_port == 8902
 
 
 def test_unknown_node_lookup_raises_config_error() -> None:
@@ -175,6 +206,17 @@ def test_secret_is_not_in_repr() -> None:
 def test_render_round_trips_the_shipped_cfg() -> None:
     cluster = config.load(REPO_ROOT / "cluster.cfg")
     assert config.parse(config.render(cluster), cluster.path) == cluster
+
+
+def test_render_round_trips_advertised_addresses() -> None:
+    text = cfg(n1__advertisedHost="public", n1__advertisedPort="18901", n2__advertisedPort="1")
+    cluster = config.parse(text, CFG_PATH)
+    rendered = config.render(cluster)
+    assert "n1.advertisedHost=public" in rendered
+    assert "n2.advertisedPort=1" in rendered
+    assert "n2.advertisedHost" not in rendered  # defaults are not written out
+    assert "n3.advertised" not in rendered
+    assert config.parse(rendered, CFG_PATH) == cluster
 
 
 def test_render_round_trips_per_node_dirs() -> None:
@@ -208,12 +250,17 @@ def clusters(draw: st.DrawFn) -> ClusterConfig:
     for index, alias in enumerate(aliases):
         member_of = sorted(group.group_id for group in groups if alias in group.members)
         base = f"/x{index}" if per_node_dirs else f"/srv/{alias}"
+        host, port = hosts[index % len(hosts)], next(ports)
+        # Advertised ports come from the same unique pool: no two nodes advertise one address.
+        advertised_port = next(ports) if draw(st.booleans()) else port
         nodes.append(
             NodeConfig(
                 alias=alias,
-                host=hosts[index % len(hosts)],
-                port=next(ports),
+                host=host,
+                port=port,
                 raft_ports=tuple((group_id, next(ports)) for group_id in member_of),
+                advertised_host=draw(st.sampled_from([host, "127.0.0.1", "public.example"])),
+                advertised_port=advertised_port,
                 persistence_dir=Path(base, "data"),
                 ha_dir=Path(base, "raft"),
             )
@@ -345,6 +392,48 @@ def test_missing_node_field_is_refused(field: str) -> None:
 def test_bad_host_is_refused(host: str) -> None:
     error = refused(cfg(n1__host=host))
     assert (error.key, error.value) == ("n1.host", host)
+
+
+@pytest.mark.parametrize("host", ["", "::1", "a b", "host:1", "h/x", "é.example"])
+def test_bad_advertised_host_is_refused(host: str) -> None:
+    error = refused(cfg(n2__advertisedHost=host))
+    assert (error.key, error.value) == ("n2.advertisedHost", host)
+
+
+@pytest.mark.parametrize("port", ["", "0", "65536", "-1", "+80", "80.0", "eighty", "8_000"])
+def test_bad_advertised_port_is_refused(port: str) -> None:
+    error = refused(cfg(n2__advertisedPort=port))
+    assert (error.key, error.value) == ("n2.advertisedPort", port)
+
+
+def test_advertised_key_of_an_undeclared_node_is_refused() -> None:
+    error = refused(BASE + "n9.advertisedHost=x\n")
+    assert error.key == "n9.port"
+    assert "n9.advertisedHost=x" in error.reason
+
+
+def test_wrongly_cased_advertised_key_suggests_the_right_one() -> None:
+    error = refused(BASE + "n1.advertisedhost=x\n")
+    assert (error.key, error.value) == ("n1.advertisedhost", "x")
+    assert "n1.advertisedHost" in error.reason
+
+
+def test_two_nodes_advertising_one_address_are_refused() -> None:
+    text = cfg(
+        n1__advertisedHost="gw",
+        n1__advertisedPort="7000",
+        n3__advertisedHost="GW",
+        n3__advertisedPort="7000",
+    )
+    error = refused(text)
+    assert (error.key, error.value) == ("n3.advertisedPort", "7000")
+    assert "also advertised by n1 (n1.advertisedPort=7000)" in error.reason
+
+
+def test_advertising_another_nodes_default_address_is_refused() -> None:
+    error = refused(cfg(n3__advertisedPort="8901"))
+    assert (error.key, error.value) == ("n3.advertisedPort", "8901")
+    assert "127.0.0.1:8901 is also advertised by n1 (n1.port=8901)" in error.reason
 
 
 @pytest.mark.parametrize("port", ["0", "65536", "-1", "+80", "80.0", "eighty", "8_000"])

@@ -2,7 +2,9 @@
 
 Every docker test runs its own deployment (unique network, volumes and containers, removed
 at the end) on images built once per session (and skipped when their inputs hash has not
-changed since an earlier run). Clients reach the nodes through the published ports only.
+changed since an earlier run). Clients reach the nodes through the published ports only,
+with a plain `api_clients.connect` session: the nodes advertise those published sites, so
+NotLeader redirects need no address mapping.
 Each test ends by reading every node directly (the raw gRPC Read on its published port) and
 checking that every acknowledged row is there exactly once, in the same order everywhere.
 Skipped, with the reason, when no Docker engine answers.
@@ -23,8 +25,7 @@ import grpc
 import pyarrow as pa
 import pytest
 
-from api_clients import Publisher, Session
-from deploy.docker import client as docker_client_module
+from api_clients import Publisher, Session, connect
 from deploy.docker import deployment as plans
 from deploy.docker import images, tool
 from deploy.docker.deployment import Deployment
@@ -114,6 +115,14 @@ def _sweep(engine: Any) -> None:
 
 # ---------------------------------------------------------------------------------------
 # Helpers
+
+
+def plain_session(deployment: Deployment, *, first: str | None = None) -> Session:
+    """`api_clients.connect` on the published sites (`first`'s first, default node1's)."""
+    first = first or deployment.aliases[0]
+    host, port = deployment.site(first).rsplit(":", 1)
+    others = [deployment.site(alias) for alias in deployment.aliases if alias != first]
+    return connect(host, int(port), highAvailabilitySites=others)
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -332,8 +341,32 @@ def test_generated_cluster_cfg_is_accepted_by_the_node_parser(tmp_path: Path) ->
     cluster = config.load(planned.config_path)
     assert [node.host for node in cluster.nodes] == [n.container for n in planned.nodes]
     assert [node.port for node in cluster.nodes] == [18901, 18902, 18903]
+    # Clients are told the published sites, not the container names.
+    advertised = [f"{n.advertised_host}:{n.advertised_port}" for n in cluster.nodes]
+    assert advertised == plans.sites(planned)
     assert plans.load("unit", tmp_path) == planned
     assert planned.config_path.parent.stat().st_mode & 0o077 == 0  # it holds the secret
+
+
+@pytest.mark.unit
+def test_ensure_config_upgrades_a_cfg_without_advertised_sites(tmp_path: Path) -> None:
+    planned = plans.plan(
+        None, name="old", state_root=tmp_path, ports=[18911, 18912, 18913], subnet="10.9.7.0/24"
+    )
+    plans.save(planned)
+    secret = config.load(planned.config_path).raft_secret
+    old_text = "".join(
+        line
+        for line in planned.config_path.read_text().splitlines(keepends=True)
+        if ".advertised" not in line
+    )
+    planned.config_path.write_text(old_text)  # as an `up` before advertisedHost wrote it
+    plans.ensure_config(planned)
+    cluster = config.load(planned.config_path)
+    assert cluster.raft_secret == secret  # the running cluster's secret is kept
+    assert [str(node.advertised_address) for node in cluster.nodes] == [
+        f"{site}:{alias}" for site, alias in zip(plans.sites(planned), planned.aliases, strict=True)
+    ]
 
 
 @pytest.mark.unit
@@ -342,22 +375,13 @@ def test_compose_cluster_cfg_matches_the_compose_file() -> None:
     compose = (REPO / "deploy" / "docker" / "docker-compose.yml").read_text()
     for node in cluster.nodes:
         assert f"  {node.host}:\n    <<: *node" in compose, node.host  # host = service name
-        assert f':{node.port}:{node.port}"' in compose, node.port  # same port in and out
+        # Published on the advertised host and port, to the same port in the container.
+        published = f'"${{HASTREAM_PUBLISH_HOST:-{node.advertised_host}}}:'
+        assert f'{published}{node.advertised_port}:{node.port}"' in compose, node.alias
         assert f"HASTREAM_NODE: {node.alias}" in compose, node.alias
         assert f'"{node.host}:0.0.0.0"' in compose, node.host  # it binds every interface
         for group_id, port in node.raft_ports:
             assert port not in {other.port for other in cluster.nodes}, (group_id, port)
-
-
-@pytest.mark.unit
-def test_address_map_turns_container_hints_into_published_sites() -> None:
-    session = docker_client_module.AddressMappedSession(
-        ["127.0.0.1:18901"], {"hs-node2:18902": "127.0.0.1:18902"}
-    )
-    assert session.map_address("hs-node2:18902:node2") == "127.0.0.1:18902:node2"
-    assert session.map_address("other:1:x") == "other:1:x"
-    assert session.learn_site("hs-node2:18902:node2") == "127.0.0.1:18902"
-    assert session.sites == ["127.0.0.1:18901", "127.0.0.1:18902"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -368,7 +392,12 @@ def test_address_map_turns_container_hints_into_published_sites() -> None:
 @pytest.mark.cluster  # slow: `pytest -m "not cluster"` stays fast
 def test_publish_through_published_ports_reaches_every_replica(deployment: Deployment) -> None:
     table = "dockerTicks"
-    with docker_client_module.connect(deployment) as session:
+    alias = group_leader(deployment)
+    follower = next(other for other in deployment.aliases if other != alias)
+    # A plain session that knows ONE follower's published site: every write it makes is
+    # refused with NotLeader, and it can only succeed by following the hint.
+    host, port = deployment.site(follower).rsplit(":", 1)
+    with connect(host, int(port)) as session:
         create_table(session, table)
         publisher = Publisher(session, table)
         acked: list[int] = []
@@ -377,10 +406,10 @@ def test_publish_through_published_ports_reaches_every_replica(deployment: Deplo
             assert result.row_count == 100
             acked.extend(range(first, first + 100))
         leader = session.getStreamingLeader(GROUP)
-    # The node names itself by its cfg host: the container name, with the published port.
-    alias = group_leader(deployment)
-    node = deployment.node(alias)
-    assert leader == f"{node.container}:{node.port}:{alias}"
+        learned = session.sites
+    # The node names itself by its advertised address: the published site on this machine.
+    assert leader == f"{deployment.site(alias)}:{alias}"
+    assert learned == [deployment.site(follower), deployment.site(alias)]
     assert_every_ack_once_on_every_replica(deployment, table, acked)
 
 
@@ -390,7 +419,7 @@ def test_killed_leader_container_fails_over_and_restart_catches_up(
     docker_engine: Any, deployment: Deployment
 ) -> None:
     table = "killTicks"
-    with docker_client_module.connect(deployment) as session:
+    with plain_session(deployment) as session:
         create_table(session, table)
         with BackgroundPublisher(session, table) as publisher:
             publisher.wait_acked(200, 30)
@@ -421,7 +450,7 @@ def test_partitioned_leader_refuses_writes_and_loses_no_acknowledged_row(
     docker_engine: Any, deployment: Deployment
 ) -> None:
     table = "partitionTicks"
-    with docker_client_module.connect(deployment) as session:
+    with plain_session(deployment) as session:
         create_table(session, table)
         with BackgroundPublisher(session, table) as publisher:
             publisher.wait_acked(200, 30)
@@ -454,7 +483,7 @@ def test_partitioned_leader_refuses_writes_and_loses_no_acknowledged_row(
 @pytest.mark.cluster
 def test_down_then_up_keeps_the_data_in_volumes(docker_engine: Any, deployment: Deployment) -> None:
     table = "durableTicks"
-    with docker_client_module.connect(deployment) as session:
+    with plain_session(deployment) as session:
         create_table(session, table)
         Publisher(session, table).append(rows(0, 300))
     acked = list(range(300))
@@ -470,7 +499,7 @@ def test_down_then_up_keeps_the_data_in_volumes(docker_engine: Any, deployment: 
     tool.up(docker_engine, reloaded)
 
     assert_every_ack_once_on_every_replica(deployment, table, acked)
-    with docker_client_module.connect(deployment) as session:  # the table needs no re-creation
+    with plain_session(deployment) as session:  # the table needs no re-creation
         result = Publisher(session, table).append(rows(300, 100))
     assert result.first_offset == 300
     assert_every_ack_once_on_every_replica(deployment, table, list(range(400)))

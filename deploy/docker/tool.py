@@ -17,7 +17,8 @@ Topology of deployment NAME (every object is named NAME-... and labelled with NA
   caches resolved peer addresses for 10 minutes).
 - Each node's client port is the SAME number inside and outside, published on
   `127.0.0.1:P -> container:P`, so the generated cluster.cfg says `host=NAME-node1,
-  port=P` and a client on this machine uses `127.0.0.1:P`. Raft ports are not published.
+  port=P` (what the node binds and its peers dial) and `advertisedHost=127.0.0.1,
+  advertisedPort=P` (what clients are told). Raft ports are not published.
 - Every container's /etc/hosts names all nodes by their static addresses, and its own name
   as 0.0.0.0: a node binds its gRPC and Raft ports to its cfg host, so it listens on every
   interface, loopback included (the health check and a cut-off node stay reachable from
@@ -29,14 +30,13 @@ Topology of deployment NAME (every object is named NAME-... and labelled with NA
   (persistenceDir) per node; `down` keeps them (and the generated cluster.cfg with its
   ports and Raft secret, in `<state-dir>/NAME/`) unless `--volumes`.
 
-NotLeader hints and getStreamingLeader name nodes as `NAME-node2:P:node2`. That name
-resolves inside the cluster network only: a client outside Docker that follows a hint gets
-a failed lookup and moves on to its next site (api_clients does), so give clients all the
-published sites, or make the node names resolve for them (DNS). See docs/docker.md.
+NotLeader hints and getStreamingLeader name nodes by their advertised, published site
+(`127.0.0.1:P:node2`), so a plain `api_clients.connect(...)` on this machine follows them.
+See docs/docker.md.
 
-Importable for tests: `plan`, `save`, `load`, `sites` (from deploy.docker.deployment), `up`,
-`down`, `kill`, `restart`, `partition`, `heal`, `logs`, `status_text`, `wait_ready`,
-`leader_alias`, `wait_leaders`.
+Importable for tests: `plan`, `save`, `ensure_config`, `load`, `sites` (from
+deploy.docker.deployment), `up`, `down`, `kill`, `restart`, `partition`, `heal`, `logs`,
+`status_text`, `wait_ready`, `leader_alias`, `wait_leaders`.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from deploy.docker.deployment import (
     Deployment,
     NodeExited,
     NodeSpec,
+    ensure_config,
     load,
     plan,
     save,
@@ -307,8 +308,7 @@ def up(
 ) -> dict[int, str]:
     """Create what is missing (networks, volumes, containers), start what is stopped, wait
     until every node answers and every group has a leader. Idempotent."""
-    if not deployment.config_path.is_file():
-        save(deployment)
+    ensure_config(deployment)
     ensure_network(client, deployment)
     ensure_volumes(client, deployment)
     for node in deployment.nodes:
