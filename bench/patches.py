@@ -90,6 +90,16 @@ def no_auth() -> None:
     authenticator.decrypt = lambda self, token: token[stamp.size :]
 
 
+@patch("switch-interval")
+def switch_interval() -> None:
+    """sys.setswitchinterval(0.5 ms) in the node (default 5 ms): a thread waiting for the GIL
+    (the batcher, a gRPC handler woken by a commit) gets it sooner from a thread running
+    Python code (the tick thread applying or sending)."""
+    import sys
+
+    sys.setswitchinterval(0.0005)
+
+
 @patch("light-validate")
 def light_validate() -> None:
     """state_machine._read_stream: `RecordBatch.validate()` instead of `validate(full=True)`
