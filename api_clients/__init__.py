@@ -15,6 +15,7 @@ See docs/client.md for the delivery guarantees and the durable buffer.
 from api_clients.admin import TableInfo
 from api_clients.buffer import BufferStats, DurableBuffer
 from api_clients.connection import Session, connect, parse_site
+from api_clients.pipeline import PublishAborted, PublishPipeline
 from api_clients.publisher import AppendResult, Publisher
 from api_clients.retry import Backoff
 from api_clients.subscriber import Subscription
@@ -38,6 +39,7 @@ from raftstore.errors import (
     ProposalTimeout,
     RaftStoreError,
     SchemaMismatch,
+    SequenceGap,
     TableExists,
     TableNotFound,
     TableSubscribed,
@@ -61,9 +63,12 @@ __all__ = [
     "OffsetOutOfRange",
     "Overloaded",
     "ProposalTimeout",
+    "PublishAborted",
+    "PublishPipeline",
     "Publisher",
     "RaftStoreError",
     "SchemaMismatch",
+    "SequenceGap",
     "Session",
     "Subscription",
     "TableExists",

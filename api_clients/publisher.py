@@ -9,6 +9,9 @@ With `durable_buffer_dir`, every request is first written (and fsynced) to a loc
 `DurableBuffer` under its producer id and sequence, then sent; the buffer keeps what the
 cluster has not acknowledged across outages and process crashes, and resends it, oldest
 first and deduplicated by the same token, on the next append, `flush()` or run.
+
+`append_async` pipelines: up to `max_in_flight` requests in flight on one PublishStream,
+answered in order through futures (api_clients/pipeline.py). Not with a durable buffer.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import secrets
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -26,6 +30,7 @@ import pyarrow as pa
 
 from api_clients import batches
 from api_clients.buffer import BUFFER_BYTES_MAX_DEFAULT, BufferStats, DurableBuffer
+from api_clients.pipeline import MAX_IN_FLIGHT_DEFAULT, PublishPipeline
 from proto import hastream_pb2
 from raftstore import limits
 from raftstore.errors import InvalidArgument, RaftStoreError, SchemaMismatch
@@ -76,6 +81,12 @@ class Publisher:
     Publisher opened on the directory. `buffer_bytes_max` bounds the buffer: beyond it the
     oldest records are dropped (counted in `buffer_stats()`). Call `close()` when done.
 
+    Pipelining (no durable buffer): `append_async` returns a Future at once and keeps up
+    to `max_in_flight` (default 64) requests in flight on one stream; `flush()` waits for
+    them. Once `append_async` was called, `append` goes through the pipeline too (ordered
+    after the pending requests). A Publisher that made unary appends before its first
+    `append_async` pipelines under a fresh random producer id. See docs/client.md.
+
     Threads: appends through one Publisher are serialized (sequences must reach the leader
     in order); use one Publisher per thread for parallel publishing.
     """
@@ -92,6 +103,7 @@ class Publisher:
         durable_buffer_dir: str | os.PathLike[str] | None = None,
         buffer_bytes_max: int = BUFFER_BYTES_MAX_DEFAULT,
         schema: pa.Schema | None = None,
+        max_in_flight: int | None = None,
     ) -> None:
         if producer_id is not None and len(producer_id) != PRODUCER_ID_BYTES:
             raise InvalidArgument("producer_id", f"must be {PRODUCER_ID_BYTES} bytes")
@@ -103,6 +115,8 @@ class Publisher:
             raise InvalidArgument(
                 "producer_id", "a durable buffer brings its own producer id and sequences"
             )
+        if durable_buffer_dir is not None and max_in_flight is not None:
+            raise InvalidArgument("max_in_flight", _NO_PIPELINE_WITH_BUFFER)
         self._session = session
         self._table = tableName
         self._buffer: DurableBuffer | None = None
@@ -112,7 +126,10 @@ class Publisher:
             )
             producer_id = self._buffer.producer_id
         self._producer_id = producer_id or secrets.token_bytes(PRODUCER_ID_BYTES)
+        self._first_sequence = first_sequence
         self._next_sequence = first_sequence
+        self._max_in_flight = MAX_IN_FLIGHT_DEFAULT if max_in_flight is None else max_in_flight
+        self._pipeline: PublishPipeline | None = None
         self._batch_bytes_max = batch_bytes_max
         self._deadline_s = deadline_s
         self._schema: pa.Schema | None = schema
@@ -124,6 +141,10 @@ class Publisher:
 
     @property
     def producer_id(self) -> bytes:
+        """The producer id of the next request (a pipeline that failed requests goes on
+        under a new one)."""
+        if self._pipeline is not None:
+            return self._pipeline.producer_id
         return self._producer_id
 
     @property
@@ -132,6 +153,8 @@ class Publisher:
         with self._lock:
             if self._buffer is not None:
                 return self._buffer.stats().next_sequence
+            if self._pipeline is not None:
+                return self._pipeline.next_sequence
             return self._next_sequence
 
     def schema(self) -> pa.Schema:
@@ -169,6 +192,8 @@ class Publisher:
         cluster that stays unreachable is not an error: the rows are buffered and counted
         in `buffered_rows` (see the class docstring).
         """
+        if self._pipeline is not None:
+            return self.append_async(data).result()
         with self._lock:
             schema = self._table_schema()
             table = batches.to_table(data, schema, self._table)
@@ -177,6 +202,48 @@ class Publisher:
                 return self._append_buffered(chunks)
             results = [self._publish(chunk) for chunk in chunks]
         return _merge(results)
+
+    def append_async(self, data: object) -> Future[AppendResult]:
+        """Pipelined `append`: validates and encodes `data` on the calling thread (raising
+        as `append` does, with nothing sent), queues its request(s) and returns a Future of
+        the committed offsets. Blocks only while `max_in_flight` requests are in flight.
+
+        Requests reach the table in call order, each exactly once, across leader changes
+        (resent with the same producer id and sequence). The future raises the request's
+        error: typed as for `append`; `PublishAborted` when an earlier request of this
+        Publisher failed first (api_clients/pipeline.py). Refused (InvalidArgument) with a
+        durable buffer."""
+        if self._buffer is not None:
+            raise InvalidArgument("durable_buffer_dir", _NO_PIPELINE_WITH_BUFFER)
+        with self._lock:
+            schema = self._table_schema()
+            table = batches.to_table(data, schema, self._table)
+            chunks = batches.encode_chunks(table, bytes_max=self._batch_bytes_max)
+            pipeline = self._pipeline_started()
+            futures = [pipeline.submit(chunk.payload, chunk.row_count) for chunk in chunks]
+        for future in futures:
+            future.add_done_callback(self._forget_schema_on_mismatch)
+        return futures[0] if len(futures) == 1 else _gather(futures)
+
+    def _forget_schema_on_mismatch(self, future: Future[AppendResult]) -> None:
+        if isinstance(future.exception(), SchemaMismatch):
+            self._schema = None  # The table may have been re-created: fetch it again.
+
+    def _pipeline_started(self) -> PublishPipeline:
+        """The pipeline, started on first use (caller holds the lock)."""
+        if self._pipeline is None:
+            # After unary appends the group may hold a gap this producer cannot see (a
+            # failed request): pipeline under a fresh producer rather than hit SequenceGap.
+            fresh = self._next_sequence != self._first_sequence
+            self._pipeline = PublishPipeline(
+                self._session,
+                self._table,
+                producer_id=None if fresh else self._producer_id,
+                first_sequence=1 if fresh else self._next_sequence,
+                max_in_flight=self._max_in_flight,
+                deadline_s=self._deadline_s,
+            )
+        return self._pipeline
 
     def _publish(self, chunk: batches.EncodedChunk) -> AppendResult:
         sequence = self._next_sequence
@@ -273,12 +340,24 @@ class Publisher:
 
     def flush(self, deadline_s: float | None = None) -> int:
         """Sends what the durable buffer holds (oldest first) until it is empty or the
-        deadline passes; returns the rows still buffered. 0 without a buffer."""
+        deadline passes; returns the rows still buffered. Pipelined: waits until every
+        `append_async` request is acknowledged or failed (at most `deadline_s`); returns
+        the rows still in flight. 0 otherwise."""
+        if self._pipeline is not None:
+            self._pipeline.flush(deadline_s)
+            return self._pipeline.rows_in_flight()
         with self._lock:
             if self._buffer is None:
                 return 0
             self._drain(deadline_s)
             return self._buffer.stats().pending_rows
+
+    def pipeline_stats(self) -> dict[str, int] | None:
+        """The pipeline's counters (requests in flight, streams reopened, requests resent);
+        None before the first `append_async`."""
+        if self._pipeline is None:
+            return None
+        return self._pipeline.stats()
 
     def buffer_stats(self) -> BufferStats | None:
         """The durable buffer's counters (pending, dropped, truncated...); None without one."""
@@ -286,7 +365,10 @@ class Publisher:
 
     def close(self) -> None:
         """Closes the durable buffer (writing its COMMIT marker); rows still in it are sent by
-        the next Publisher opened on the directory. Nothing to do without a buffer."""
+        the next Publisher opened on the directory. Pipelined: waits for the requests in
+        flight (up to the session deadline; the rest fail), then ends the stream."""
+        if self._pipeline is not None:
+            self._pipeline.close(self._session.deadline_s)
         with self._lock:
             if self._buffer is not None:
                 self._buffer.close()
@@ -296,6 +378,36 @@ class Publisher:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+_NO_PIPELINE_WITH_BUFFER: Final = (
+    "pipelined publishing (append_async, max_in_flight) is not available with a durable "
+    "buffer; use append, or MultithreadedTableWriter for buffered parallel sending"
+)
+
+
+def _gather(futures: list[Future[AppendResult]]) -> Future[AppendResult]:
+    """One future for the requests of a split append: their merged result once all are
+    acknowledged, or the first error."""
+    combined: Future[AppendResult] = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_: Future[AppendResult]) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if not last:
+            return
+        errors = [future.exception() for future in futures if future.exception() is not None]
+        if errors:
+            combined.set_exception(errors[0])
+        else:
+            combined.set_result(_merge([future.result() for future in futures]))
+
+    for future in futures:
+        future.add_done_callback(done)
+    return combined
 
 
 def _merge(results: list[AppendResult]) -> AppendResult:

@@ -1,6 +1,7 @@
 """Where the time of the write path goes: py-spy on the node processes under a steady load.
 
     python -m bench.profile --mode ha --threads 4 --batch 1 --columns 11 [--idle]
+    python -m bench.profile --mode ha --threads 4 --batch 1 --pipeline 64   # PublishStream
 
 Starts a local three-node cluster, publishes to one table exactly as bench.throughput does
 (raw gRPC stubs, pre-built Arrow IPC payloads), and while the load runs records every node
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Final
 
 from bench import common
-from bench.throughput import _channel, _Worker
+from bench.throughput import _channel, _PipelinedWorker, _Worker
 from deploy.local_cluster import LocalCluster
 from proto import hastream_pb2 as pb
 from proto import hastream_pb2_grpc
@@ -53,7 +54,8 @@ STAGES: Final[list[tuple[str, re.Pattern[str]]]] = [
     ("data-file fsync", _frames("raftstore/storage/segments", "sync|_sync_oldest_sealed")),
     ("checkpoint", _frames("", "write_checkpoint|checkpoint|deleteEntriesTo|write_atomic")),
     ("journal write", _frames("raftstore/storage/journal", "add|_encode_record")),
-    ("validate payload (Arrow)", _frames("", "validate_append|_check_payload|_read_stream")),
+    ("validate payload (Arrow)",
+     _frames("", "validate_append|validate_payload|_check_payload|_read_stream")),
     ("apply: data files",
      _frames("raftstore/storage/(segments|format)", "append|_write_all|encode_record")),
     ("apply: IPC serialize", _frames("raftstore/tables", "append")),
@@ -71,6 +73,8 @@ STAGES: Final[list[tuple[str, re.Pattern[str]]]] = [
     ("batcher", re.compile(r"\(raftstore/batcher")),
     ("local replica", re.compile(r"\(raftstore/local_replica")),
     ("gRPC publish handler", _frames("raftstore/(service|group)", "Publish|publish|_wait")),
+    ("PublishStream handler", re.compile(r"\(raftstore/pipeline")),
+    ("client pipeline", re.compile(r"\(api_clients/")),
     ("subscriptions", re.compile(r"\(raftstore/(subscriptions|service)")),
     ("gRPC runtime", re.compile(r"\(grpc/")),
     ("thread pool / waits",
@@ -80,6 +84,8 @@ THREAD_GROUPS: Final[list[tuple[str, re.Pattern[str]]]] = [
     ("tick (pysyncobj)", re.compile(r"^Thread-\d+ \(_autoTickThread\)|_autoTickThread")),
     ("grpc", re.compile(r"^grpc|\(_serve\)")),
     ("batcher", re.compile(r"^batcher")),
+    ("publish-stream reader", re.compile(r"^publish-stream")),
+    ("client pipeline driver", re.compile(r"^publish-pipeline")),
     ("local-replica", re.compile(r"^local-replica")),
     ("main", re.compile(r"^MainThread")),
 ]
@@ -222,6 +228,7 @@ def _spy(
 def run(args: argparse.Namespace) -> int:
     name = args.name or (
         f"{args.mode}-t{args.threads}-b{args.batch}-c{args.columns}"
+        + (f"-p{args.pipeline}" if args.pipeline else "")
         + ("-wall" if args.idle else "-cpu")
         + ("-native" if args.native else "")
         + (f"-{args.patches.replace(',', '+').replace('=', '')}" if args.patches else "")
@@ -256,7 +263,12 @@ def run(args: argparse.Namespace) -> int:
         f"`python -m bench.profile {' '.join(sys.argv[1:])}` (code {common.code_version()}): "
         f"{args.mode} table, "
         f"{args.threads} publisher thread(s), batch {args.batch} rows, {args.columns} columns, "
-        f"py-spy {args.rate} Hz for {args.duration:g} s, samples = {kind}.",
+        + (
+            f"pipelined (PublishStream, {args.pipeline} in flight per thread), "
+            if args.pipeline
+            else "unary Publish, "
+        )
+        + f"py-spy {args.rate} Hz for {args.duration:g} s, samples = {kind}.",
         f"Throughput while profiled: {stats['rows_per_s']:,.0f} rows/s, ack p50 "
         f"{stats['p50_ms']:.1f} ms, p99 {stats['p99_ms']:.1f} ms, CPU cores "
         + ", ".join(f"{alias} {cores:.2f}" for alias, cores in stats["cpu"].items())
@@ -280,16 +292,23 @@ def _load(
     name: str,
     out: Path,
 ) -> dict[str, object]:
-    channels = [_channel(cluster, leader) for _ in range(args.threads)]
+    channels = [] if args.pipeline else [_channel(cluster, leader) for _ in range(args.threads)]
     warm_s = 2.0
     barrier = threading.Barrier(args.threads + 1)
     deadline = [math.inf]
-    workers = []
-    for number, channel in enumerate(channels):
-        requests = [
-            pb.PublishRequest(table=table, payload=p) for p in pool[number:] + pool[:number]
-        ]
-        stub = hastream_pb2_grpc.StreamTableStub(channel)
+    workers: list[_Worker | _PipelinedWorker] = []
+    for number in range(args.threads):
+        shifted = pool[number:] + pool[:number]
+        if args.pipeline:
+            site = f"127.0.0.1:{cluster.nodes[leader].port}"
+            workers.append(
+                _PipelinedWorker(
+                    site, table, shifted, args.batch, args.pipeline, 10**12, barrier, deadline
+                )
+            )
+            continue
+        requests = [pb.PublishRequest(table=table, payload=p) for p in shifted]
+        stub = hastream_pb2_grpc.StreamTableStub(channels[number])
         workers.append(_Worker(stub, requests, 10**12, barrier, deadline))
     for worker in workers:
         worker.start()
@@ -343,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=10_000)
     parser.add_argument("--columns", type=int, default=11)
+    parser.add_argument(
+        "--pipeline", type=int, default=0, help="PublishStream with N in flight per thread"
+    )
     parser.add_argument("--duration", type=float, default=10.0, help="seconds sampled")
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--idle", action="store_true", help="wall time: sample waiting threads")

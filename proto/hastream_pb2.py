@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/hastream.proto\x12\x0bhastream.v1\"\x8f\x01\n\x12\x43reateTableRequest\x12\x12\n\nraft_group\x18\x01 \x01(\x05\x12\r\n\x05table\x18\x02 \x01(\t\x12\x12\n\nschema_ipc\x18\x03 \x01(\x0c\x12\x13\n\x0b\x63\x61\x63he_limit\x18\x04 \x01(\x03\x12\x12\n\nkey_column\x18\x05 \x01(\t\x12\x19\n\x11retention_minutes\x18\x06 \x01(\x05\"\xb2\x01\n\tTableInfo\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nraft_group\x18\x02 \x01(\x05\x12\x12\n\nschema_ipc\x18\x03 \x01(\x0c\x12\x13\n\x0b\x63\x61\x63he_limit\x18\x04 \x01(\x03\x12\x12\n\nkey_column\x18\x05 \x01(\t\x12\x19\n\x11retention_minutes\x18\x06 \x01(\x05\x12\x11\n\trow_count\x18\x07 \x01(\x03\x12\x17\n\x0f\x65\x61rliest_offset\x18\x08 \x01(\x03\"0\n\x10\x44ropTableRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\"\n\x11\x44ropTableResponse\x12\r\n\x05table\x18\x01 \x01(\t\"\x1d\n\x0cTableRequest\x12\r\n\x05table\x18\x01 \x01(\t\"W\n\x0ePublishRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x13\n\x0bproducer_id\x18\x03 \x01(\x0c\x12\x10\n\x08sequence\x18\x04 \x01(\x04\"t\n\x0fPublishResponse\x12\x14\n\x0c\x66irst_offset\x18\x01 \x01(\x03\x12\x11\n\trow_count\x18\x02 \x01(\x03\x12\x12\n\nduplicates\x18\x03 \x01(\x03\x12\x0b\n\x03lsn\x18\x04 \x01(\x03\x12\x17\n\x0f\x64uplicate_batch\x18\x05 \x01(\x08\"Z\n\x10SubscribeRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63tion_name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x12\n\nbatch_rows\x18\x04 \x01(\x05\"]\n\x08RowBatch\x12\x14\n\x0c\x66irst_offset\x18\x01 \x01(\x03\x12\x11\n\trow_count\x18\x02 \x01(\x03\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x17\n\x0ftable_row_count\x18\x04 \x01(\x03\"X\n\x0bReadRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x13\n\x0boffset_from\x18\x02 \x01(\x03\x12\x11\n\toffset_to\x18\x03 \x01(\x03\x12\x12\n\nbatch_rows\x18\x04 \x01(\x05\"`\n\x13\x46\x65tchRecordsRequest\x12\x12\n\nraft_group\x18\x01 \x01(\x05\x12\r\n\x05table\x18\x02 \x01(\t\x12\x13\n\x0boffset_from\x18\x03 \x01(\x03\x12\x11\n\toffset_to\x18\x04 \x01(\x03\"i\n\nDataRecord\x12\x0b\n\x03lsn\x18\x01 \x01(\x03\x12\x14\n\x0c\x66irst_offset\x18\x02 \x01(\x03\x12\x11\n\trow_count\x18\x03 \x01(\x03\x12\x14\n\x0ctimestamp_ms\x18\x04 \x01(\x03\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\"I\n\x13\x43ommitOffsetRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63tion_name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\"\x1d\n\x0cTopicRequest\x12\r\n\x05topic\x18\x01 \x01(\t\",\n\x0bTopicOffset\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"\"\n\x0cGroupRequest\x12\x12\n\nraft_group\x18\x01 \x01(\x05\"0\n\nLeaderInfo\x12\x12\n\nraft_group\x18\x01 \x01(\x05\x12\x0e\n\x06leader\x18\x02 \x01(\t\"R\n\rRaftGroupInfo\x12\x12\n\nraft_group\x18\x01 \x01(\x05\x12\r\n\x05sites\x18\x02 \x03(\t\x12\x0e\n\x06leader\x18\x03 \x01(\t\x12\x0e\n\x06tables\x18\x04 \x03(\t\"8\n\nRaftGroups\x12*\n\x06groups\x18\x01 \x03(\x0b\x32\x1a.hastream.v1.RaftGroupInfo\"\x07\n\x05\x45mpty\"\x1c\n\x0cJsonDocument\x12\x0c\n\x04json\x18\x01 \x01(\t2\xf9\x07\n\x0bStreamTable\x12H\n\rHaStreamTable\x12\x1f.hastream.v1.CreateTableRequest\x1a\x16.hastream.v1.TableInfo\x12P\n\x0f\x44ropStreamTable\x12\x1d.hastream.v1.DropTableRequest\x1a\x1e.hastream.v1.DropTableResponse\x12\x41\n\x0cGetTableInfo\x12\x19.hastream.v1.TableRequest\x1a\x16.hastream.v1.TableInfo\x12\x44\n\x07Publish\x12\x1b.hastream.v1.PublishRequest\x1a\x1c.hastream.v1.PublishResponse\x12\x43\n\tSubscribe\x12\x1d.hastream.v1.SubscribeRequest\x1a\x15.hastream.v1.RowBatch0\x01\x12\x39\n\x04Read\x12\x18.hastream.v1.ReadRequest\x1a\x15.hastream.v1.RowBatch0\x01\x12K\n\x0c\x46\x65tchRecords\x12 .hastream.v1.FetchRecordsRequest\x1a\x17.hastream.v1.DataRecord0\x01\x12J\n\x0c\x43ommitOffset\x12 .hastream.v1.CommitOffsetRequest\x1a\x18.hastream.v1.TopicOffset\x12N\n\x17GetTopicProcessedOffset\x12\x19.hastream.v1.TopicRequest\x1a\x18.hastream.v1.TopicOffset\x12H\n\x11RemoveTopicOffset\x12\x19.hastream.v1.TopicRequest\x1a\x18.hastream.v1.TopicOffset\x12H\n\x12GetStreamingLeader\x12\x19.hastream.v1.GroupRequest\x1a\x17.hastream.v1.LeaderInfo\x12\x45\n\x16GetStreamingRaftGroups\x12\x12.hastream.v1.Empty\x1a\x17.hastream.v1.RaftGroups\x12\x41\n\x10GetStreamingStat\x12\x12.hastream.v1.Empty\x1a\x19.hastream.v1.JsonDocument\x12>\n\rGetNodeStatus\x12\x12.hastream.v1.Empty\x1a\x19.hastream.v1.JsonDocumentb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/hastream.proto\x12\x0bhastream.v1\"\x8f\x01\n\x12\x43reateTableRequest\x12\x12\n\nraft_group\x18\x01 \x01(\x05\x12\r\n\x05table\x18\x02 \x01(\t\x12\x12\n\nschema_ipc\x18\x03 \x01(\x0c\x12\x13\n\x0b\x63\x61\x63he_limit\x18\x04 \x01(\x03\x12\x12\n\nkey_column\x18\x05 \x01(\t\x12\x19\n\x11retention_minutes\x18\x06 \x01(\x05\"\xb2\x01\n\tTableInfo\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nraft_group\x18\x02 \x01(\x05\x12\x12\n\nschema_ipc\x18\x03 \x01(\x0c\x12\x13\n\x0b\x63\x61\x63he_limit\x18\x04 \x01(\x03\x12\x12\n\nkey_column\x18\x05 \x01(\t\x12\x19\n\x11retention_minutes\x18\x06 \x01(\x05\x12\x11\n\trow_count\x18\x07 \x01(\x03\x12\x17\n\x0f\x65\x61rliest_offset\x18\x08 \x01(\x03\"0\n\x10\x44ropTableRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\"\n\x11\x44ropTableResponse\x12\r\n\x05table\x18\x01 \x01(\t\"\x1d\n\x0cTableRequest\x12\r\n\x05table\x18\x01 \x01(\t\"W\n\x0ePublishRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x13\n\x0bproducer_id\x18\x03 \x01(\x0c\x12\x10\n\x08sequence\x18\x04 \x01(\x04\"\x86\x01\n\x0fPublishResponse\x12\x14\n\x0c\x66irst_offset\x18\x01 \x01(\x03\x12\x11\n\trow_count\x18\x02 \x01(\x03\x12\x12\n\nduplicates\x18\x03 \x01(\x03\x12\x0b\n\x03lsn\x18\x04 \x01(\x03\x12\x17\n\x0f\x64uplicate_batch\x18\x05 \x01(\x08\x12\x10\n\x08sequence\x18\x06 \x01(\x04\"=\n\x0cPublishBatch\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.hastream.v1.PublishRequest\">\n\x0bPublishAcks\x12/\n\tresponses\x18\x01 \x03(\x0b\x32\x1c.hastream.v1.PublishResponse\"Z\n\x10SubscribeRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63tion_name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x12\n\nbatch_rows\x18\x04 \x01(\x05\"]\n\x08RowBatch\x12\x14\n\x0c\x66irst_offset\x18\x01 \x01(\x03\x12\x11\n\trow_count\x18\x02 \x01(\x03\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x17\n\x0ftable_row_count\x18\x04 \x01(\x03\"X\n\x0bReadRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x13\n\x0boffset_from\x18\x02 \x01(\x03\x12\x11\n\toffset_to\x18\x03 \x01(\x03\x12\x12\n\nbatch_rows\x18\x04 \x01(\x05\"`\n\x13\x46\x65tchRecordsRequest\x12\x12\n\nraft_group\x18\x01 \x01(\x05\x12\r\n\x05table\x18\x02 \x01(\t\x12\x13\n\x0boffset_from\x18\x03 \x01(\x03\x12\x11\n\toffset_to\x18\x04 \x01(\x03\"i\n\nDataRecord\x12\x0b\n\x03lsn\x18\x01 \x01(\x03\x12\x14\n\x0c\x66irst_offset\x18\x02 \x01(\x03\x12\x11\n\trow_count\x18\x03 \x01(\x03\x12\x14\n\x0ctimestamp_ms\x18\x04 \x01(\x03\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\"I\n\x13\x43ommitOffsetRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63tion_name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\"\x1d\n\x0cTopicRequest\x12\r\n\x05topic\x18\x01 \x01(\t\",\n\x0bTopicOffset\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"\"\n\x0cGroupRequest\x12\x12\n\nraft_group\x18\x01 \x01(\x05\"0\n\nLeaderInfo\x12\x12\n\nraft_group\x18\x01 \x01(\x05\x12\x0e\n\x06leader\x18\x02 \x01(\t\"R\n\rRaftGroupInfo\x12\x12\n\nraft_group\x18\x01 \x01(\x05\x12\r\n\x05sites\x18\x02 \x03(\t\x12\x0e\n\x06leader\x18\x03 \x01(\t\x12\x0e\n\x06tables\x18\x04 \x03(\t\"8\n\nRaftGroups\x12*\n\x06groups\x18\x01 \x03(\x0b\x32\x1a.hastream.v1.RaftGroupInfo\"\x07\n\x05\x45mpty\"\x1c\n\x0cJsonDocument\x12\x0c\n\x04json\x18\x01 \x01(\t2\xc3\x08\n\x0bStreamTable\x12H\n\rHaStreamTable\x12\x1f.hastream.v1.CreateTableRequest\x1a\x16.hastream.v1.TableInfo\x12P\n\x0f\x44ropStreamTable\x12\x1d.hastream.v1.DropTableRequest\x1a\x1e.hastream.v1.DropTableResponse\x12\x41\n\x0cGetTableInfo\x12\x19.hastream.v1.TableRequest\x1a\x16.hastream.v1.TableInfo\x12\x44\n\x07Publish\x12\x1b.hastream.v1.PublishRequest\x1a\x1c.hastream.v1.PublishResponse\x12H\n\rPublishStream\x12\x19.hastream.v1.PublishBatch\x1a\x18.hastream.v1.PublishAcks(\x01\x30\x01\x12\x43\n\tSubscribe\x12\x1d.hastream.v1.SubscribeRequest\x1a\x15.hastream.v1.RowBatch0\x01\x12\x39\n\x04Read\x12\x18.hastream.v1.ReadRequest\x1a\x15.hastream.v1.RowBatch0\x01\x12K\n\x0c\x46\x65tchRecords\x12 .hastream.v1.FetchRecordsRequest\x1a\x17.hastream.v1.DataRecord0\x01\x12J\n\x0c\x43ommitOffset\x12 .hastream.v1.CommitOffsetRequest\x1a\x18.hastream.v1.TopicOffset\x12N\n\x17GetTopicProcessedOffset\x12\x19.hastream.v1.TopicRequest\x1a\x18.hastream.v1.TopicOffset\x12H\n\x11RemoveTopicOffset\x12\x19.hastream.v1.TopicRequest\x1a\x18.hastream.v1.TopicOffset\x12H\n\x12GetStreamingLeader\x12\x19.hastream.v1.GroupRequest\x1a\x17.hastream.v1.LeaderInfo\x12\x45\n\x16GetStreamingRaftGroups\x12\x12.hastream.v1.Empty\x1a\x17.hastream.v1.RaftGroups\x12\x41\n\x10GetStreamingStat\x12\x12.hastream.v1.Empty\x1a\x19.hastream.v1.JsonDocument\x12>\n\rGetNodeStatus\x12\x12.hastream.v1.Empty\x1a\x19.hastream.v1.JsonDocumentb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,36 +43,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TABLEREQUEST']._serialized_end=479
   _globals['_PUBLISHREQUEST']._serialized_start=481
   _globals['_PUBLISHREQUEST']._serialized_end=568
-  _globals['_PUBLISHRESPONSE']._serialized_start=570
-  _globals['_PUBLISHRESPONSE']._serialized_end=686
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=688
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=778
-  _globals['_ROWBATCH']._serialized_start=780
-  _globals['_ROWBATCH']._serialized_end=873
-  _globals['_READREQUEST']._serialized_start=875
-  _globals['_READREQUEST']._serialized_end=963
-  _globals['_FETCHRECORDSREQUEST']._serialized_start=965
-  _globals['_FETCHRECORDSREQUEST']._serialized_end=1061
-  _globals['_DATARECORD']._serialized_start=1063
-  _globals['_DATARECORD']._serialized_end=1168
-  _globals['_COMMITOFFSETREQUEST']._serialized_start=1170
-  _globals['_COMMITOFFSETREQUEST']._serialized_end=1243
-  _globals['_TOPICREQUEST']._serialized_start=1245
-  _globals['_TOPICREQUEST']._serialized_end=1274
-  _globals['_TOPICOFFSET']._serialized_start=1276
-  _globals['_TOPICOFFSET']._serialized_end=1320
-  _globals['_GROUPREQUEST']._serialized_start=1322
-  _globals['_GROUPREQUEST']._serialized_end=1356
-  _globals['_LEADERINFO']._serialized_start=1358
-  _globals['_LEADERINFO']._serialized_end=1406
-  _globals['_RAFTGROUPINFO']._serialized_start=1408
-  _globals['_RAFTGROUPINFO']._serialized_end=1490
-  _globals['_RAFTGROUPS']._serialized_start=1492
-  _globals['_RAFTGROUPS']._serialized_end=1548
-  _globals['_EMPTY']._serialized_start=1550
-  _globals['_EMPTY']._serialized_end=1557
-  _globals['_JSONDOCUMENT']._serialized_start=1559
-  _globals['_JSONDOCUMENT']._serialized_end=1587
-  _globals['_STREAMTABLE']._serialized_start=1590
-  _globals['_STREAMTABLE']._serialized_end=2607
+  _globals['_PUBLISHRESPONSE']._serialized_start=571
+  _globals['_PUBLISHRESPONSE']._serialized_end=705
+  _globals['_PUBLISHBATCH']._serialized_start=707
+  _globals['_PUBLISHBATCH']._serialized_end=768
+  _globals['_PUBLISHACKS']._serialized_start=770
+  _globals['_PUBLISHACKS']._serialized_end=832
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=834
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=924
+  _globals['_ROWBATCH']._serialized_start=926
+  _globals['_ROWBATCH']._serialized_end=1019
+  _globals['_READREQUEST']._serialized_start=1021
+  _globals['_READREQUEST']._serialized_end=1109
+  _globals['_FETCHRECORDSREQUEST']._serialized_start=1111
+  _globals['_FETCHRECORDSREQUEST']._serialized_end=1207
+  _globals['_DATARECORD']._serialized_start=1209
+  _globals['_DATARECORD']._serialized_end=1314
+  _globals['_COMMITOFFSETREQUEST']._serialized_start=1316
+  _globals['_COMMITOFFSETREQUEST']._serialized_end=1389
+  _globals['_TOPICREQUEST']._serialized_start=1391
+  _globals['_TOPICREQUEST']._serialized_end=1420
+  _globals['_TOPICOFFSET']._serialized_start=1422
+  _globals['_TOPICOFFSET']._serialized_end=1466
+  _globals['_GROUPREQUEST']._serialized_start=1468
+  _globals['_GROUPREQUEST']._serialized_end=1502
+  _globals['_LEADERINFO']._serialized_start=1504
+  _globals['_LEADERINFO']._serialized_end=1552
+  _globals['_RAFTGROUPINFO']._serialized_start=1554
+  _globals['_RAFTGROUPINFO']._serialized_end=1636
+  _globals['_RAFTGROUPS']._serialized_start=1638
+  _globals['_RAFTGROUPS']._serialized_end=1694
+  _globals['_EMPTY']._serialized_start=1696
+  _globals['_EMPTY']._serialized_end=1703
+  _globals['_JSONDOCUMENT']._serialized_start=1705
+  _globals['_JSONDOCUMENT']._serialized_end=1733
+  _globals['_STREAMTABLE']._serialized_start=1736
+  _globals['_STREAMTABLE']._serialized_end=2827
 # @@protoc_insertion_point(module_scope)

@@ -75,18 +75,32 @@ class PublishRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., payload: _Optional[bytes] = ..., producer_id: _Optional[bytes] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
-    __slots__ = ("first_offset", "row_count", "duplicates", "lsn", "duplicate_batch")
+    __slots__ = ("first_offset", "row_count", "duplicates", "lsn", "duplicate_batch", "sequence")
     FIRST_OFFSET_FIELD_NUMBER: _ClassVar[int]
     ROW_COUNT_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     LSN_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     first_offset: int
     row_count: int
     duplicates: int
     lsn: int
     duplicate_batch: bool
-    def __init__(self, first_offset: _Optional[int] = ..., row_count: _Optional[int] = ..., duplicates: _Optional[int] = ..., lsn: _Optional[int] = ..., duplicate_batch: _Optional[bool] = ...) -> None: ...
+    sequence: int
+    def __init__(self, first_offset: _Optional[int] = ..., row_count: _Optional[int] = ..., duplicates: _Optional[int] = ..., lsn: _Optional[int] = ..., duplicate_batch: _Optional[bool] = ..., sequence: _Optional[int] = ...) -> None: ...
+
+class PublishBatch(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[PublishRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ...) -> None: ...
+
+class PublishAcks(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[PublishResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[PublishResponse, _Mapping]]] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("table", "action_name", "offset", "batch_rows")

@@ -54,6 +54,11 @@ class StreamTableStub:
                 request_serializer=proto_dot_hastream__pb2.PublishRequest.SerializeToString,
                 response_deserializer=proto_dot_hastream__pb2.PublishResponse.FromString,
                 _registered_method=True)
+        self.PublishStream = channel.stream_stream(
+                '/hastream.v1.StreamTable/PublishStream',
+                request_serializer=proto_dot_hastream__pb2.PublishBatch.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.PublishAcks.FromString,
+                _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/hastream.v1.StreamTable/Subscribe',
                 request_serializer=proto_dot_hastream__pb2.SubscribeRequest.SerializeToString,
@@ -129,6 +134,21 @@ class StreamTableServicer:
 
     def Publish(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishStream(self, request_iterator, context):
+        """Pipelined publishing: many publishes in flight on one stream. Each PublishRequest is a
+        Publish (producer_id required) and is answered by exactly one PublishResponse, in request
+        order, once its rows are committed on a majority and applied, as for Publish. Messages
+        pack requests and answers (whatever the sender has ready), so gRPC's per-message cost is
+        shared; the packing of answers does not follow the packing of requests. Sequences are
+        contiguous: a request whose sequence skips past the producer's last applied one + 1 is
+        refused (SequenceGap). The first failed request ends the stream: the answers before it
+        were sent, its error is the call's status with the typed error in trailing metadata, and
+        no later request of the stream was applied (for a producer the group already knows).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -215,6 +235,11 @@ def add_StreamTableServicer_to_server(servicer, server):
                     servicer.Publish,
                     request_deserializer=proto_dot_hastream__pb2.PublishRequest.FromString,
                     response_serializer=proto_dot_hastream__pb2.PublishResponse.SerializeToString,
+            ),
+            'PublishStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PublishStream,
+                    request_deserializer=proto_dot_hastream__pb2.PublishBatch.FromString,
+                    response_serializer=proto_dot_hastream__pb2.PublishAcks.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
@@ -375,6 +400,33 @@ class StreamTable:
             '/hastream.v1.StreamTable/Publish',
             proto_dot_hastream__pb2.PublishRequest.SerializeToString,
             proto_dot_hastream__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hastream.v1.StreamTable/PublishStream',
+            proto_dot_hastream__pb2.PublishBatch.SerializeToString,
+            proto_dot_hastream__pb2.PublishAcks.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,21 @@ class Batcher:
             self._condition.notify()
         return future
 
+    def submit_many(self, items: list[commands.AppendItem]) -> list[Future[tuple[int, ItemResult]]]:
+        """`submit` for several items under one lock, in order: all are queued or none
+        (Overloaded, LeadershipLost)."""
+        futures: list[Future[tuple[int, ItemResult]]] = [Future() for _ in items]
+        with self._condition:
+            if self._closed:
+                raise LeadershipLost("node shutting down")
+            if len(self._queue) + len(items) > limits.PUBLISH_QUEUE_MAX:
+                raise Overloaded("publish", limits.PUBLISH_QUEUE_MAX)
+            for item, future in zip(items, futures, strict=True):
+                self._queue.append((item, future))
+                self._queued_bytes += len(item.payload)
+            self._condition.notify()
+        return futures
+
     def close(self) -> None:
         with self._condition:
             self._closed = True

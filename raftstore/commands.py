@@ -14,11 +14,21 @@ thing to a newer node:
     Append       = timestamp_ms:i64 | item_count:u32 | item * item_count
       item       = table:string | producer_id_length:u8 (0|16) | producer_id |
                    sequence:u64 | payload:blob (an Arrow IPC *stream*)
+    AppendFlagged = timestamp_ms:i64 | item_count:u32 | flagged_item * item_count
+      flagged_item = table:string | producer_id_length:u8 (0|16) | producer_id |
+                   sequence:u64 | flags:u8 | payload:blob
+      flags      = bit 0: contiguous (a pipelined publish); bits 1-7: zero
     CommitOffset = topic:string | offset:i64
     RemoveOffset = topic:string
     Noop         = (empty)
 
-The encoding is canonical: `encode(decode(data)) == data` for every `data` that decodes.
+An Append is written as kind APPEND (3) when no item carries a flag, byte for byte as before
+flags existed, and as kind APPEND_FLAGGED (7) otherwise: entries written before the flag
+decode unchanged, and unary publishes still write entries an older node reads. A node that
+does not know kind 7 cannot apply it: upgrade every node before clients publish pipelined.
+
+The encoding is canonical: `encode(decode(data)) == data` for every `data` that decodes
+(so an APPEND_FLAGGED entry without any flagged item is refused).
 Pure: no I/O; safe on any thread.
 """
 
@@ -43,6 +53,8 @@ _U64: Final = struct.Struct("<Q")
 
 _STRING_BYTES_MAX: Final = 0xFFFF
 _BLOB_BYTES_MAX: Final = 0xFFFF_FFFF
+_FLAG_CONTIGUOUS: Final = 0x01
+_FLAGS_KNOWN: Final = _FLAG_CONTIGUOUS
 
 # Bytes of an Append entry besides its items: header, timestamp_ms, item_count.
 APPEND_OVERHEAD_BYTES: Final = _HEADER.size + _I64.size + _U32.size
@@ -57,6 +69,7 @@ class Kind(enum.IntEnum):
     COMMIT_OFFSET = 4
     REMOVE_OFFSET = 5
     NOOP = 6
+    APPEND_FLAGGED = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +94,10 @@ class AppendItem:
     sequence: int  # 0 <= sequence < 2**64; meaningful only with a producer_id.
     # Arrow IPC stream bytes. After decode(): a zero-copy slice of the entry's buffer.
     payload: bytes | memoryview
+    # Set by pipelined publishes: a sequence above the producer's last applied one + 1 is
+    # refused (SequenceGap) instead of applied, so a resend of a failed request can never
+    # land after a later one (state_machine.py). Ignored without a producer_id.
+    contiguous: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,24 +161,30 @@ def _header(kind: Kind) -> bytes:
     return _HEADER.pack(VERSION, kind)
 
 
-def _encode_item(item: AppendItem, parts: list[bytes | memoryview]) -> None:
+def _encode_item(item: AppendItem, parts: list[bytes | memoryview], *, flagged: bool) -> None:
     if len(item.producer_id) not in (0, PRODUCER_ID_BYTES):
         raise _invalid(f"producer_id of {len(item.producer_id)} bytes; want 0 or 16")
     parts.append(_string(item.table))
     parts.append(_U8.pack(len(item.producer_id)))
     parts.append(item.producer_id)
     parts.append(_pack(_U64, item.sequence, "sequence"))
+    if flagged:
+        parts.append(_U8.pack(_FLAG_CONTIGUOUS if item.contiguous else 0))
     parts.append(_blob_length(item.payload))
     parts.append(item.payload)
 
 
-def encoded_item_bytes(item: AppendItem) -> int:
-    """Exact bytes `item` adds to an Append entry (for packing entries up to a size)."""
+def encoded_item_bytes(item: AppendItem, *, flagged: bool | None = None) -> int:
+    """Exact bytes `item` adds to an Append entry (for packing entries up to a size).
+    `flagged`: whether the entry has any contiguous item (then every item spends one more
+    byte, its flags); by default, whether `item` is contiguous."""
+    flagged = item.contiguous if flagged is None else flagged
     return (
         len(_string(item.table))
         + _U8.size
         + len(item.producer_id)
         + _U64.size
+        + (_U8.size if flagged else 0)
         + _U32.size
         + memoryview(item.payload).nbytes
     )
@@ -173,13 +196,14 @@ def encode(command: Command) -> bytes:
     Payloads are copied exactly once (one b"".join)."""
     match command:
         case Append(timestamp_ms=timestamp_ms, items=items):
+            flagged = any(item.contiguous for item in items)
             parts: list[bytes | memoryview] = [
-                _header(Kind.APPEND),
+                _header(Kind.APPEND_FLAGGED if flagged else Kind.APPEND),
                 _pack(_I64, timestamp_ms, "timestamp_ms"),
                 _pack(_U32, len(items), "item_count"),
             ]
             for item in items:
-                _encode_item(item, parts)
+                _encode_item(item, parts, flagged=flagged)
             return b"".join(parts)
         case CreateTable():
             key = (
@@ -259,21 +283,34 @@ class _Reader:
             raise _invalid(f"{trailing} trailing bytes after the command")
 
 
-def _decode_item(reader: _Reader) -> AppendItem:
+def _decode_item(reader: _Reader, *, flagged: bool) -> AppendItem:
     table = reader.string("table")
     producer_id_bytes = reader.integer(_U8)
     if producer_id_bytes not in (0, PRODUCER_ID_BYTES):
         raise _invalid(f"producer_id of {producer_id_bytes} bytes; want 0 or 16")
     producer_id = bytes(reader.take(producer_id_bytes))
     sequence = reader.integer(_U64)
-    return AppendItem(table, producer_id, sequence, reader.blob())
+    contiguous = False
+    if flagged:
+        flags = reader.integer(_U8)
+        if flags & ~_FLAGS_KNOWN:
+            raise _invalid(f"item flags 0x{flags:02x} has unknown bits")
+        contiguous = bool(flags & _FLAG_CONTIGUOUS)
+    return AppendItem(table, producer_id, sequence, reader.blob(), contiguous)
+
+
+def _decode_append(reader: _Reader, *, flagged: bool) -> Append:
+    timestamp_ms = reader.integer(_I64)
+    count = reader.integer(_U32)
+    items = tuple(_decode_item(reader, flagged=flagged) for _ in range(count))
+    if flagged and not any(item.contiguous for item in items):
+        raise _invalid("APPEND_FLAGGED entry without a flagged item (not canonical)")
+    return Append(timestamp_ms, items)
 
 
 def _decode_body(kind: int, reader: _Reader) -> Command:
-    if kind == Kind.APPEND:
-        timestamp_ms = reader.integer(_I64)
-        count = reader.integer(_U32)
-        return Append(timestamp_ms, tuple(_decode_item(reader) for _ in range(count)))
+    if kind in (Kind.APPEND, Kind.APPEND_FLAGGED):
+        return _decode_append(reader, flagged=kind == Kind.APPEND_FLAGGED)
     if kind == Kind.CREATE_TABLE:
         table = reader.string("table")
         schema_ipc = bytes(reader.blob())

@@ -187,6 +187,27 @@ class EmptyBatch(RaftStoreError):
         return {"table": self.table}
 
 
+class SequenceGap(RaftStoreError):
+    """A pipelined (contiguous) publish skipped sequences: the producer's last applied
+    sequence is `expected - 1`, this request carries `got` > `expected`. Nothing was applied:
+    an earlier request of the producer failed, so the ones after it must not land before
+    it is resent. `producer` is the producer id in hex."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+    def __init__(self, producer: str, expected: int, got: int) -> None:
+        self.producer = producer
+        self.expected = expected
+        self.got = got
+        super().__init__(
+            f"sequence gap for producer {producer}: expected sequence {expected}, got {got}; "
+            "nothing applied"
+        )
+
+    def fields(self) -> dict[str, Any]:
+        return {"producer": self.producer, "expected": self.expected, "got": self.got}
+
+
 class InvalidArgument(RaftStoreError):
     """A request field is malformed (bad name, bad offset, garbage payload bytes)."""
 
@@ -280,6 +301,7 @@ _BY_NAME: Final[dict[str, type[RaftStoreError]]] = {
         SchemaMismatch,
         BatchTooLarge,
         EmptyBatch,
+        SequenceGap,
         InvalidArgument,
         OffsetOutOfRange,
         TopicNotFound,

@@ -30,6 +30,13 @@ PROPOSALS_IN_FLIGHT_MAX: Final = 8
 # pysyncobj's own command queue, per group.
 RAFT_COMMAND_QUEUE_MAX: Final = 1_000
 
+# PublishStream: requests read from one stream and not yet answered. When it is full the
+# server stops reading the stream (HTTP/2 flow control then holds the client back).
+PIPELINE_IN_FLIGHT_MAX: Final = 256
+# PublishStream: requests in one PublishBatch message (so at most PIPELINE_IN_FLIGHT_MAX +
+# PIPELINE_BATCH_REQUESTS_MAX - 1 are read and unanswered per stream).
+PIPELINE_BATCH_REQUESTS_MAX: Final = 256
+
 # How long a write waits for commit before it answers ProposalTimeout.
 PROPOSAL_TIMEOUT_S: Final = 10.0
 
@@ -65,3 +72,4 @@ assert RAFT_APPEND_BATCH_BYTES >= 2 * ENTRY_BYTES_MAX, "avoid pysyncobj's chunke
 assert GRPC_MESSAGE_BYTES_MAX > BATCH_BYTES_MAX
 assert SUBSCRIBE_BATCH_BYTES_MAX < GRPC_MESSAGE_BYTES_MAX
 assert RAFT_LOG_BYTES_MAX > 4 * ENTRY_BYTES_MAX
+assert PIPELINE_IN_FLIGHT_MAX <= PUBLISH_QUEUE_MAX, "one stream alone cannot overload a group"

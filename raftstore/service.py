@@ -31,6 +31,7 @@ from raftstore.errors import (
 )
 from raftstore.group import Group
 from raftstore.model import LOCAL_GROUP, topic_name
+from raftstore.pipeline import PipelineBatchers, PublishStream
 from raftstore.state_machine import TableView
 from raftstore.subscriptions import follow, resolve_start
 from raftstore.tables import RowSlice
@@ -119,6 +120,7 @@ def _rows_max(view: TableView, requested: int) -> int:
 class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     def __init__(self, node: NodeView) -> None:
         self._node = node
+        self._pipeline_batchers = PipelineBatchers()
 
     # --- routing ---
 
@@ -211,6 +213,21 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             duplicates=result.duplicates,
             duplicate_batch=result.duplicate_batch,
         )
+
+    @streaming
+    def PublishStream(
+        self, request_iterator: Iterator[pb.PublishBatch], context: Any
+    ) -> Iterator[pb.PublishAcks]:
+        stream = PublishStream(
+            request_iterator,
+            route=lambda table: self._group_of(table, leader_only=True),
+            batchers=self._pipeline_batchers,
+            is_active=context.is_active,
+        )
+        try:
+            yield from stream.responses()
+        finally:
+            stream.close()
 
     @streaming
     def Subscribe(self, request: pb.SubscribeRequest, context: Any) -> Iterator[pb.RowBatch]:
@@ -356,10 +373,10 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             "groups": [self._group_status(group) for group in self._node.groups()],
         }
 
-    @staticmethod
-    def _group_status(group: Group) -> dict[str, Any]:
+    def _group_status(self, group: Group) -> dict[str, Any]:
         status = group.status()
         status.pop("table_stats")
+        status.update(self._pipeline_batchers.counters(group.group_id))
         return status
 
     @unary

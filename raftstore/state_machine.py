@@ -45,6 +45,7 @@ from raftstore.errors import (
     InvalidArgument,
     RaftStoreError,
     SchemaMismatch,
+    SequenceGap,
     TableExists,
     TableNotFound,
     TopicNotFound,
@@ -56,6 +57,10 @@ SNAPSHOT_FORMAT: Final = 1
 _TABLE_NAME: Final = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 # What pyarrow raises on bytes that are not what they claim to be.
 _ARROW_ERRORS: Final = (pa.ArrowException, ValueError, OSError)
+_END_OF_STREAM: Final = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # continuation, length 0
+# Consecutive small batches of one table in one entry are written as one data-file record
+# (one IPC serialize, one CRC, one write instead of one per 1-row publish), up to this size.
+_MERGE_BYTES_MAX: Final = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +72,28 @@ class TableMeta:
     key_column: str | None
     retention_minutes: int
     created_lsn: int
+    # Indexes of the columns that must not hold nulls (checked on every publish: a walk over
+    # the schema's fields costs ~1 us per column, which dominates a 1-row publish).
+    non_nullable: tuple[int, ...]
+    # The bytes an Arrow IPC stream of this schema starts with (its schema message) as this
+    # pyarrow writes it; b"" for schemas with dictionary columns. A payload that starts with
+    # them is read without decoding its schema again (`_read_stream`).
+    stream_prefix: bytes
+
+
+def _non_nullable(schema: pa.Schema) -> tuple[int, ...]:
+    return tuple(index for index, field in enumerate(schema) if not field.nullable)
+
+
+def _stream_prefix(schema: pa.Schema) -> bytes:
+    if any(pa.types.is_dictionary(field.type) for field in schema):
+        return b""  # dictionary batches would follow the schema: use the full reader
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema):
+        pass
+    stream: bytes = sink.getvalue().to_pybytes()
+    assert stream.endswith(_END_OF_STREAM), "an empty IPC stream ends with the EOS marker"
+    return stream[: -len(_END_OF_STREAM)]
 
 
 # Effects: the shell performs them, in order, before answering the client.
@@ -88,7 +115,8 @@ class AppendRecords:
     `lsn`. `batch` has exactly the table's schema; it may be a zero-copy view into the
     entry's bytes, so the shell keeps the entry alive (or copies) while it holds the batch.
     One entry can yield several AppendRecords for one table (same lsn, contiguous
-    offsets): a replay should skip by offset, not by LSN alone."""
+    offsets): a replay should skip by offset, not by LSN alone. Consecutive small batches
+    of one table in one entry are joined into one (`_merged`)."""
 
     table: str
     lsn: int
@@ -107,7 +135,8 @@ Effect = CreateTableFiles | DropTableFiles | AppendRecords
 class ItemResult:
     """One AppendItem's outcome. With `error` set, the offsets are meaningless
     (first_offset -1, counts 0). `duplicate_batch`: a producer retry, answered with the
-    stored result of the producer's last item and not applied again."""
+    stored result of the producer's last item and not applied again (a contiguous retry of
+    an older sequence than the last: first_offset -1, counts 0, as its result is not kept)."""
 
     table: str
     first_offset: int
@@ -223,6 +252,30 @@ def _check_create(command: CreateTable, *, exists: bool) -> pa.Schema:
     return schema
 
 
+def _read_known_stream(meta: TableMeta, payload: bytes | memoryview) -> list[pa.RecordBatch]:
+    """The non-empty, fully validated batches of an IPC stream whose schema message is
+    `meta.stream_prefix`: the record batch messages after it are read with the table's
+    schema (4 us instead of 13 us for a 1-row payload; zero-copy like `_read_stream`)."""
+    buffer = pa.py_buffer(payload)
+    reader = pa.BufferReader(buffer.slice(len(meta.stream_prefix)))
+    batches: list[pa.RecordBatch] = []
+    try:
+        while reader.tell() < reader.size():  # bounded: every message advances the reader
+            try:
+                message = pa.ipc.read_message(reader)
+            except EOFError:
+                break  # the end-of-stream marker
+            if message.type != "record batch":
+                raise InvalidArgument("payload", f"unexpected {message.type} message")
+            batch = pa.ipc.read_record_batch(message, meta.schema)
+            if batch.num_rows > 0:
+                batch.validate(full=True)  # see _read_stream
+                batches.append(batch)
+    except _ARROW_ERRORS as error:
+        raise InvalidArgument("payload", f"not a valid Arrow IPC stream: {error}") from None
+    return batches
+
+
 def _read_stream(payload: bytes | memoryview) -> tuple[pa.Schema, list[pa.RecordBatch]]:
     """The schema and non-empty, fully validated batches of an Arrow IPC stream
     (zero-copy: the batches view `payload`)."""
@@ -258,17 +311,24 @@ def _schema_difference(table_schema: pa.Schema, schema: pa.Schema) -> str | None
 def _check_payload(meta: TableMeta, payload: bytes | memoryview) -> list[pa.RecordBatch]:
     """The payload's non-empty batches, conforming to the table's schema. Raises
     InvalidArgument("payload", ...) or SchemaMismatch."""
+    prefix = meta.stream_prefix
+    size = len(prefix)
+    if prefix and bytes(memoryview(payload)[:size]) == prefix:
+        batches = _read_known_stream(meta, payload)
+        return _check_nulls(meta, batches)
     schema, batches = _read_stream(payload)
-    difference = _schema_difference(meta.schema, schema)
-    if difference is not None:
-        raise SchemaMismatch(meta.table, difference)
-    for index, table_field in enumerate(meta.schema):
-        if table_field.nullable:
-            continue
+    if not schema.equals(meta.schema):  # The walk below only words the error.
+        difference = _schema_difference(meta.schema, schema)
+        if difference is not None:
+            raise SchemaMismatch(meta.table, difference)
+    return _check_nulls(meta, batches)
+
+
+def _check_nulls(meta: TableMeta, batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
+    for index in meta.non_nullable:
         if any(batch.column(index).null_count for batch in batches):
-            raise SchemaMismatch(
-                meta.table, f"column {table_field.name!r} has nulls but is not nullable"
-            )
+            name = meta.schema.field(index).name
+            raise SchemaMismatch(meta.table, f"column {name!r} has nulls but is not nullable")
     return batches
 
 
@@ -286,6 +346,54 @@ def _combine(meta: TableMeta, batches: list[pa.RecordBatch]) -> pa.RecordBatch:
     if batch.schema.equals(meta.schema, check_metadata=True):
         return batch
     return pa.RecordBatch.from_arrays(batch.columns, schema=meta.schema)
+
+
+def validate_payload(meta: TableMeta, payload: bytes | memoryview) -> int:
+    """Row count of a publish to the table of `meta`, checked before it is proposed (any
+    thread: `meta` is immutable). Raises BatchTooLarge (bytes, then rows),
+    InvalidArgument("payload", ...) for bytes that are not a valid Arrow IPC stream,
+    SchemaMismatch naming the column, EmptyBatch. apply() applies the same checks."""
+    size = memoryview(payload).nbytes
+    if size > limits.BATCH_BYTES_MAX:
+        raise BatchTooLarge(size, limits.BATCH_BYTES_MAX)
+    batches = _check_payload(meta, payload)
+    rows: int = sum(batch.num_rows for batch in batches)
+    if rows == 0:
+        raise EmptyBatch(meta.table)
+    if rows > limits.BATCH_ROWS_MAX:
+        raise BatchTooLarge(rows, limits.BATCH_ROWS_MAX, "rows")
+    return rows
+
+
+def _merged(appends: list[AppendRecords]) -> list[AppendRecords]:
+    """The appends of one entry with each table's consecutive small batches joined into one
+    (offsets of one table are contiguous within an entry), up to _MERGE_BYTES_MAX each:
+    one data-file record instead of one per 1-row publish. Order per table is kept."""
+    runs: dict[str, list[tuple[list[AppendRecords], int]]] = {}
+    for append in appends:
+        table_runs = runs.setdefault(append.table, [])
+        size = append.batch.nbytes
+        if table_runs:
+            run, run_size = table_runs[-1]
+            last = run[-1]
+            assert append.first_offset == last.first_offset + last.batch.num_rows, "contiguous"
+            if run_size + size <= _MERGE_BYTES_MAX:
+                run.append(append)
+                table_runs[-1] = (run, run_size + size)
+                continue
+        table_runs.append(([append], size))
+    merged: list[AppendRecords] = []
+    for table_runs in runs.values():
+        for run, _ in table_runs:
+            first = run[0]
+            if len(run) == 1:
+                merged.append(first)
+                continue
+            batch = pa.concat_batches([part.batch for part in run])
+            merged.append(
+                AppendRecords(first.table, first.lsn, first.first_offset, batch, first.timestamp_ms)
+            )
+    return merged
 
 
 def _item_error(table: str, error: RaftStoreError) -> ItemResult:
@@ -366,20 +474,9 @@ class GroupStateMachine:
         return _check_create(command, exists=command.table in self._tables)
 
     def validate_append(self, table: str, payload: bytes | memoryview) -> int:
-        """Row count of a publish, checked before it is proposed. Raises TableNotFound,
-        BatchTooLarge (bytes, then rows), InvalidArgument("payload", ...) for bytes that
-        are not a valid Arrow IPC stream, SchemaMismatch naming the column, EmptyBatch."""
-        meta = self._state(table).meta
-        size = memoryview(payload).nbytes
-        if size > limits.BATCH_BYTES_MAX:
-            raise BatchTooLarge(size, limits.BATCH_BYTES_MAX)
-        batches = _check_payload(meta, payload)
-        rows = sum(batch.num_rows for batch in batches)
-        if rows == 0:
-            raise EmptyBatch(table)
-        if rows > limits.BATCH_ROWS_MAX:
-            raise BatchTooLarge(rows, limits.BATCH_ROWS_MAX, "rows")
-        return rows
+        """Row count of a publish, checked before it is proposed. Raises TableNotFound, or
+        what `validate_payload` raises."""
+        return validate_payload(self._state(table).meta, payload)
 
     # -- apply -----------------------------------------------------------------------
 
@@ -422,6 +519,8 @@ class GroupStateMachine:
             key_column=command.key_column,
             retention_minutes=command.retention_minutes,
             created_lsn=lsn,
+            non_nullable=_non_nullable(schema),
+            stream_prefix=_stream_prefix(schema),
         )
         key_window = None if meta.key_column is None else KeyWindow(self._dedup_window_rows)
         self._tables[meta.table] = _Table(meta, 0, lsn, key_window, key_window_pending=False)
@@ -457,13 +556,15 @@ class GroupStateMachine:
         return CommandResult(lsn, None, offset)
 
     def _apply_append(self, lsn: int, command: Append, effects: list[Effect]) -> AppendResult:
+        appends: list[AppendRecords] = []
         items = tuple(
-            self._apply_item(lsn, command.timestamp_ms, item, effects) for item in command.items
+            self._apply_item(lsn, command.timestamp_ms, item, appends) for item in command.items
         )
+        effects += _merged(appends)
         return AppendResult(lsn, items)
 
     def _apply_item(
-        self, lsn: int, timestamp_ms: int, item: AppendItem, effects: list[Effect]
+        self, lsn: int, timestamp_ms: int, item: AppendItem, effects: list[AppendRecords]
     ) -> ItemResult:
         state = self._tables.get(item.table)
         if state is None:
@@ -473,11 +574,9 @@ class GroupStateMachine:
         except (InvalidArgument, SchemaMismatch) as error:
             return _item_error(item.table, error)
         if item.producer_id:
-            record = self._producers.check(item.producer_id, item.sequence)
-            if record is not None:
-                return ItemResult(
-                    item.table, record.first_offset, record.row_count, record.duplicates, True, None
-                )
+            answer = self._producer_answer(item)
+            if answer is not None:
+                return answer
         first_offset = state.row_count
         kept = 0
         duplicates = 0
@@ -496,6 +595,33 @@ class GroupStateMachine:
                 item.producer_id, ProducerRecord(item.sequence, first_offset, kept, duplicates)
             )
         return ItemResult(item.table, first_offset, kept, duplicates, False, None)
+
+    def _producer_answer(self, item: AppendItem) -> ItemResult | None:
+        """The answer to an item its producer window decides (a retry, or a gap in a
+        contiguous producer's sequences); None: apply the item.
+
+        A retry (sequence <= the producer's last applied one, L) is answered, not applied: with
+        the stored result when it is the last item. A contiguous (pipelined) retry of an older
+        sequence gets `duplicate_batch` with unknown offsets (first_offset -1, counts 0): only
+        the last result is stored, and another item's offsets would be wrong. A contiguous
+        item with sequence > L + 1 is refused (SequenceGap) and changes nothing, so the resend
+        of a failed request can never land after a later one. An unknown producer (never
+        seen, or forgotten beyond PRODUCERS_MAX) is not checked for gaps."""
+        record = self._producers.last(item.producer_id)
+        if record is None:
+            return None
+        if item.sequence == record.sequence or (
+            item.sequence < record.sequence and not item.contiguous
+        ):
+            return ItemResult(
+                item.table, record.first_offset, record.row_count, record.duplicates, True, None
+            )
+        if item.sequence < record.sequence:
+            return ItemResult(item.table, -1, 0, 0, True, None)
+        if item.contiguous and item.sequence > record.sequence + 1:
+            gap = SequenceGap(item.producer_id.hex(), record.sequence + 1, item.sequence)
+            return _item_error(item.table, gap)
+        return None
 
     def _deduplicate(self, state: _Table, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, int]:
         """The rows of `batch` to append and the number dropped by the key window, which
@@ -588,14 +714,17 @@ class GroupStateMachine:
     def _load_table(self, entry: dict[str, Any]) -> None:
         schema_ipc = base64.b64decode(entry["schema_ipc"], validate=True)
         key_column = entry["key_column"]
+        schema = _read_schema(schema_ipc)
         meta = TableMeta(
             table=str(entry["table"]),
-            schema=_read_schema(schema_ipc),
+            schema=schema,
             schema_ipc=schema_ipc,
             cache_limit=_integer(entry["cache_limit"]),
             key_column=None if key_column is None else str(key_column),
             retention_minutes=_integer(entry["retention_minutes"]),
             created_lsn=_integer(entry["created_lsn"]),
+            non_nullable=_non_nullable(schema),
+            stream_prefix=_stream_prefix(schema),
         )
         row_count = _integer(entry["row_count"])
         if row_count < 0:

@@ -41,6 +41,13 @@ EXAMPLES: list[Command] = [
             AppendItem("trades", PRODUCER, 2**64 - 1, bytes(range(256)) * 3),
         ),
     ),
+    Append(
+        5,
+        (
+            AppendItem("trades", PRODUCER, 8, b"pipelined", contiguous=True),
+            AppendItem("quotes", b"", 0, b"unary"),
+        ),
+    ),
     CommitOffset("trades/action", 42),
     CommitOffset("trades/action", -1),
     RemoveOffset("trades/action"),
@@ -55,6 +62,7 @@ items = st.builds(
     producer_id=st.one_of(st.just(b""), st.binary(min_size=16, max_size=16)),
     sequence=st.integers(0, 2**64 - 1),
     payload=st.binary(max_size=64),
+    contiguous=st.booleans(),
 )
 command_strategy: st.SearchStrategy[Command] = st.one_of(
     st.builds(
@@ -214,6 +222,61 @@ def test_encode_refuses_values_the_format_cannot_hold(command: Command) -> None:
 @given(items)
 def test_encoded_item_bytes_is_the_exact_size_an_item_adds(item: AppendItem) -> None:
     assert len(encode(Append(0, (item,)))) == APPEND_OVERHEAD_BYTES + encoded_item_bytes(item)
+
+
+@pytest.mark.property
+@given(st.lists(items, min_size=1, max_size=4))
+def test_encoded_item_bytes_of_a_mixed_entry(entry_items: list[AppendItem]) -> None:
+    flagged = any(item.contiguous for item in entry_items)
+    sizes = sum(encoded_item_bytes(item, flagged=flagged) for item in entry_items)
+    assert len(encode(Append(0, tuple(entry_items)))) == APPEND_OVERHEAD_BYTES + sizes
+
+
+# An Append entry as the encoder wrote it before items had flags (commit 6a3d7fd).
+_APPEND_BEFORE_FLAGS = bytes.fromhex(
+    "01030068e5cf8b0100000200000005007469636b7310000102030405060708090a0b0c0d0e0f07000000"
+    "0000000002000000010201007400000000000000000000000000"
+)
+
+
+@pytest.mark.unit
+def test_append_entries_written_before_flags_decode_and_encode_unchanged() -> None:
+    command = decode(_APPEND_BEFORE_FLAGS)
+    assert command == Append(
+        1_700_000_000_000,
+        (AppendItem("ticks", PRODUCER, 7, b"\x01\x02"), AppendItem("t", b"", 0, b"")),
+    )
+    assert isinstance(command, Append)
+    assert not any(item.contiguous for item in command.items)
+    assert encode(command) == _APPEND_BEFORE_FLAGS
+
+
+@pytest.mark.unit
+def test_only_an_entry_with_a_contiguous_item_uses_the_flagged_kind() -> None:
+    unary = encode(Append(0, (AppendItem("t", PRODUCER, 1, b"p"),)))
+    pipelined = encode(Append(0, (AppendItem("t", PRODUCER, 1, b"p", contiguous=True),)))
+    assert unary[1] == Kind.APPEND
+    assert pipelined[1] == Kind.APPEND_FLAGGED
+    assert len(pipelined) == len(unary) + 1  # the flags byte
+
+
+@pytest.mark.unit
+def test_a_flagged_entry_without_a_flagged_item_is_refused_as_not_canonical() -> None:
+    data = bytearray(encode(Append(0, (AppendItem("t", PRODUCER, 1, b"p", contiguous=True),))))
+    flags_at = APPEND_OVERHEAD_BYTES + 2 + 1 + 1 + 16 + 8  # table, "t", id length, id, sequence
+    assert data[flags_at] == 1
+    data[flags_at] = 0
+    with pytest.raises(InvalidArgument, match="canonical"):
+        decode(bytes(data))
+
+
+@pytest.mark.unit
+def test_unknown_item_flag_bits_are_refused() -> None:
+    data = bytearray(encode(Append(0, (AppendItem("t", PRODUCER, 1, b"p", contiguous=True),))))
+    flags_at = APPEND_OVERHEAD_BYTES + 2 + 1 + 1 + 16 + 8
+    data[flags_at] = 0b11
+    with pytest.raises(InvalidArgument, match="unknown bits"):
+        decode(bytes(data))
 
 
 @pytest.mark.unit

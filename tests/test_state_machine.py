@@ -32,6 +32,7 @@ from raftstore.errors import (
     InvalidArgument,
     RaftStoreError,
     SchemaMismatch,
+    SequenceGap,
     TableExists,
     TableNotFound,
     TopicNotFound,
@@ -89,8 +90,14 @@ def _create(table: str, key_column: str | None = "id", schema_ipc: bytes = SCHEM
     return CreateTable(table, schema_ipc, 100, key_column, 1440)
 
 
-def _item(table: str, *batches_ids: list[int | None], producer: bytes = b"", sequence: int = 0):
-    return AppendItem(table, producer, sequence, _payload(*batches_ids))
+def _item(
+    table: str,
+    *batches_ids: list[int | None],
+    producer: bytes = b"",
+    sequence: int = 0,
+    contiguous: bool = False,
+) -> AppendItem:
+    return AppendItem(table, producer, sequence, _payload(*batches_ids), contiguous)
 
 
 class Driver:
@@ -538,6 +545,147 @@ def test_producers_beyond_the_window_are_forgotten() -> None:
     assert not again.duplicate_batch
 
 
+# --- contiguous (pipelined) items: sequence gaps -----------------------------------------
+
+
+@pytest.mark.unit
+def test_contiguous_item_that_skips_a_sequence_is_a_gap_and_changes_nothing() -> None:
+    driver = _driver(_create("trades", key_column=None))
+    driver.append(_item("trades", [1], producer=P1, sequence=1, contiguous=True))
+    driver.effects.clear()
+    snapshot = driver.machine.snapshot()
+    (gap,) = driver.append(_item("trades", [3], producer=P1, sequence=3, contiguous=True))
+    assert isinstance(gap.error, SequenceGap)
+    assert (gap.error.producer, gap.error.expected, gap.error.got) == (P1.hex(), 2, 3)
+    assert (gap.first_offset, gap.row_count, gap.duplicate_batch) == (-1, 0, False)
+    assert driver.effects == []
+    assert json.loads(driver.machine.snapshot())["producers"] == json.loads(snapshot)["producers"]
+    assert driver.machine.table("trades").row_count == 1
+    (resent,) = driver.append(_item("trades", [2], producer=P1, sequence=2, contiguous=True))
+    (after,) = driver.append(_item("trades", [3], producer=P1, sequence=3, contiguous=True))
+    assert (resent.first_offset, after.first_offset) == (1, 2)
+    assert [_ids(effect) for effect in driver.effects] == [[2], [3]]
+
+
+@pytest.mark.unit
+def test_a_failed_contiguous_item_makes_the_next_ones_of_its_entry_gaps() -> None:
+    driver = _driver(_create("trades", key_column=None))
+    driver.append(_item("trades", [1], producer=P1, sequence=1, contiguous=True))
+    bad = AppendItem("trades", P1, 2, b"garbage", contiguous=True)
+    results = driver.append(
+        bad,
+        _item("trades", [3], producer=P1, sequence=3, contiguous=True),
+        _item("trades", [9], producer=P2, sequence=7, contiguous=True),  # another producer
+    )
+    assert isinstance(results[0].error, InvalidArgument)
+    assert isinstance(results[1].error, SequenceGap)
+    assert results[2] == ItemResult("trades", 1, 1, 0, False, None)
+
+
+@pytest.mark.unit
+def test_contiguous_retries_are_duplicates_and_older_ones_have_unknown_offsets() -> None:
+    driver = _driver(_create("trades", key_column=None))
+    for sequence, key in ((1, 1), (2, 2)):
+        driver.append(_item("trades", [key], producer=P1, sequence=sequence, contiguous=True))
+    driver.effects.clear()
+    last, older = driver.append(
+        _item("trades", [2], producer=P1, sequence=2, contiguous=True),
+        _item("trades", [1], producer=P1, sequence=1, contiguous=True),
+    )
+    assert last == ItemResult("trades", 1, 1, 0, True, None)
+    assert older == ItemResult("trades", -1, 0, 0, True, None)
+    assert driver.effects == []
+
+
+@pytest.mark.unit
+def test_contiguous_item_of_an_unknown_producer_is_applied_whatever_its_sequence() -> None:
+    driver = _driver(_create("trades", key_column=None))
+    (first,) = driver.append(_item("trades", [1], producer=P1, sequence=41, contiguous=True))
+    assert first == ItemResult("trades", 0, 1, 0, False, None)
+
+
+@pytest.mark.unit
+def test_unary_items_may_still_skip_sequences() -> None:
+    driver = _driver(_create("trades", key_column=None))
+    driver.append(_item("trades", [1], producer=P1, sequence=1))
+    (jump,) = driver.append(_item("trades", [5], producer=P1, sequence=5))
+    assert jump == ItemResult("trades", 1, 1, 0, False, None)
+
+
+@pytest.mark.property
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 8), st.booleans(), st.sampled_from((P1, P2))),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(1, 4),
+)
+def test_producer_windows_decide_the_same_on_every_replica(
+    plan: list[tuple[int, bool, bytes]], per_entry: int
+) -> None:
+    """Two replicas applying the same entries give the same results and effects, and a
+    contiguous producer's applied sequences never skip one."""
+    replicas = [_driver(_create("trades", key_column=None)) for _ in range(2)]
+    forms: list[list[Any]] = [[], []]
+    applied: dict[bytes, list[int]] = {P1: [], P2: []}
+    for start in range(0, len(plan), per_entry):
+        items = [
+            _item("trades", [sequence], producer=producer, sequence=sequence, contiguous=flag)
+            for sequence, flag, producer in plan[start : start + per_entry]
+        ]
+        outcomes = [replica.run(Append(TS, tuple(items))) for replica in replicas]
+        for form, outcome in zip(forms, outcomes, strict=True):
+            form.append(_result_form(outcome))
+        for item, result in zip(items, outcomes[0].items, strict=True):
+            if result.error is None and not result.duplicate_batch:
+                known = applied[item.producer_id]
+                if item.contiguous and known:
+                    assert item.sequence == known[-1] + 1, (known, item.sequence)
+                known.append(item.sequence)
+    assert forms[0] == forms[1]
+    effects = [[_effect_form(effect) for effect in replica.effects] for replica in replicas]
+    assert effects[0] == effects[1]
+
+
+# --- group commit: small batches of one table become one data-file record ---------------
+
+
+@pytest.mark.unit
+def test_small_batches_of_one_table_in_an_entry_become_one_record_per_table() -> None:
+    driver = _driver(_create("a", key_column=None), _create("b", key_column=None))
+    driver.append(_item("a", [0]))
+    driver.effects.clear()
+    results = driver.append(
+        _item("a", [1]), _item("b", [7]), _item("a", [2, 3]), _item("b", [8]), _item("a", [4])
+    )
+    assert [r.first_offset for r in results] == [1, 0, 2, 1, 4]
+    assert [(e.table, e.first_offset, _ids(e)) for e in driver.effects] == [
+        ("a", 1, [1, 2, 3, 4]),
+        ("b", 0, [7, 8]),
+    ]
+    record = driver.effects[0]
+    assert isinstance(record, AppendRecords)
+    assert record.batch.schema.equals(SCHEMA, check_metadata=True)
+
+
+@pytest.mark.unit
+def test_payload_of_the_table_schema_and_one_with_other_schema_bytes_read_the_same() -> None:
+    """The schema message of a payload written with the table's schema is not decoded
+    again; a payload with other schema bytes (metadata) takes the full reader; same rows."""
+    driver = _driver(_create("t", key_column=None))
+    meta = driver.machine.table("t").meta
+    plain = _payload([1, 2])
+    assert plain.startswith(meta.stream_prefix)
+    tagged_schema = SCHEMA.with_metadata({"origin": "elsewhere"})
+    tagged = _payload([3], schema=tagged_schema)
+    assert not tagged.startswith(meta.stream_prefix)
+    assert driver.machine.validate_append("t", plain) == 2
+    assert driver.machine.validate_append("t", tagged) == 1
+    driver.append(AppendItem("t", b"", 0, plain), AppendItem("t", b"", 0, tagged))
+    assert [_ids(effect) for effect in driver.effects] == [[1, 2, 3]]
+
+
 # --- drop, offsets, noop, LSNs -------------------------------------------------------------
 
 
@@ -848,6 +996,7 @@ item_strategy = st.tuples(
     st.sampled_from((None, *PRODUCERS)),
     st.sampled_from(("next", "same", "older", "jump")),
     st.sampled_from(("good",) * 8 + ("garbage", "mismatch")),
+    st.booleans(),  # contiguous (a pipelined publish)
 )
 
 
@@ -909,12 +1058,24 @@ class GroupModel(RuleBasedStateMachine):
         last = self.producers[producer][0]
         return {"next": last + 1, "same": last, "older": max(0, last - 1), "jump": last + 3}[mode]
 
-    def _expect(self, table: str, keys: list[int | None], producer: bytes | None, sequence: int):
-        """The model's ItemResult fields (first_offset, row_count, duplicates, dup_batch)."""
+    def _expect(
+        self,
+        table: str,
+        keys: list[int | None],
+        producer: bytes | None,
+        sequence: int,
+        contiguous: bool,
+    ) -> tuple[int, int, int, bool] | str:
+        """The model's ItemResult fields (first_offset, row_count, duplicates, dup_batch), or
+        "gap" for a SequenceGap."""
         if producer is not None and producer in self.producers:
             last, stored = self.producers[producer]
-            if sequence <= last:
+            if sequence == last or (sequence < last and not contiguous):
                 return (*stored, True)
+            if sequence < last:
+                return (-1, 0, 0, True)
+            if contiguous and sequence > last + 1:
+                return "gap"
         rows = self.rows[table]
         first_offset = len(rows)
         kept: list[int | None] = []
@@ -935,17 +1096,20 @@ class GroupModel(RuleBasedStateMachine):
         return (*stored, False)
 
     @rule(entry=st.lists(item_strategy, min_size=1, max_size=3))
-    def append(self, entry: list[tuple[str, list[int | None], bytes | None, str, str]]) -> None:
+    def append(
+        self, entry: list[tuple[str, list[int | None], bytes | None, str, str, bool]]
+    ) -> None:
         items = []
         planned = []
-        for table, keys, producer, mode, kind in entry:
+        for table, keys, producer, mode, kind, contiguous in entry:
             sequence = self._sequence(producer, mode)
             payload = _model_payload(keys, kind)
-            items.append(AppendItem(table, producer or b"", sequence, payload))
-            planned.append((table, keys, producer, sequence, kind))
+            items.append(AppendItem(table, producer or b"", sequence, payload, contiguous))
+            planned.append((table, keys, producer, sequence, kind, contiguous))
         # Items of one entry apply in order, so a later item sees an earlier one's effect.
         results = self.driver.append(*items)
-        for result, (table, keys, producer, sequence, kind) in zip(results, planned, strict=True):
+        for result, plan in zip(results, planned, strict=True):
+            table, keys, producer, sequence, kind, contiguous = plan
             if table not in self.rows:
                 assert isinstance(result.error, TableNotFound)
             elif kind == "garbage":
@@ -953,7 +1117,10 @@ class GroupModel(RuleBasedStateMachine):
             elif kind == "mismatch":
                 assert isinstance(result.error, SchemaMismatch)
             else:
-                expected = self._expect(table, keys, producer, sequence)
+                expected = self._expect(table, keys, producer, sequence, contiguous)
+                if expected == "gap":
+                    assert isinstance(result.error, SequenceGap)
+                    continue
                 assert result.error is None
                 actual = (
                     result.first_offset,

@@ -1,0 +1,417 @@
+"""Pipelined publishing: up to `max_in_flight` publish requests of one producer in flight on
+one PublishStream call, answered in order (Kafka's idempotent producer with
+max.in.flight.requests > 1).
+
+Every request keeps its producer id and sequence for life. When the stream fails with a
+retryable error (NotLeader, an election, an unreachable node, a timeout) the pipeline opens
+a new stream to the leader (the Session's leader following: a NotLeader hint at once, else
+the next site after a capped backoff) and resends every unacknowledged request in order with
+the same producer id and sequence; the leader answers the ones it already applied from its
+producer window (`duplicate_batch`) instead of applying them twice. The server proposes
+pipelined requests `contiguous`, so a request after a failed one is refused (SequenceGap)
+instead of landing before the failed one's resend: rows land in request order, once.
+
+The server can only detect a gap for a producer it knows, so until this pipeline's first
+request is acknowledged, only one request is in flight.
+
+Failure: when a request fails with a non-retryable error, or retryable errors go on past the
+Session's deadline (counted from the last progress), that request's future raises the error
+and every later unacknowledged request's future raises `PublishAborted` (none of them was
+applied after a non-retryable error; after a deadline their outcome is unknown). The
+pipeline then goes on under a fresh random producer id (its sequences restart at 1), so
+nothing sent later can be mistaken for, or blocked by, the failed requests.
+
+Threads: `submit`, `flush`, `close` from any thread (one lock). A driver thread owns the
+stream (opens it, reads the answers, settles the futures, reconnects); gRPC's own thread
+pulls the outgoing messages from `_outgoing`. Futures are completed on the driver thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import grpc
+
+from api_clients.connection import rebuild_error
+from proto import hastream_pb2
+from raftstore import limits
+from raftstore.errors import (
+    InvalidArgument,
+    NodeUnavailable,
+    RaftStoreError,
+    TableNotFound,
+)
+
+if TYPE_CHECKING:
+    from api_clients.connection import Session
+    from api_clients.publisher import AppendResult
+    from api_clients.retry import Backoff
+
+log = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT_DEFAULT: Final = 64
+PRODUCER_ID_BYTES: Final = 16
+# How often waiting threads look at the pipeline's state again (they are also notified).
+_POLL_S: Final = 0.2
+
+
+class PublishAborted(RaftStoreError):
+    """A pipelined request was not acknowledged because an earlier request of the same
+    pipeline failed (`cause`, the earlier request's `sequence`). After a non-retryable
+    `cause` it was not applied; after a deadline its outcome is unknown."""
+
+    def __init__(self, sequence: int, cause: str) -> None:
+        self.sequence = sequence
+        self.cause = cause
+        super().__init__(f"aborted: request {sequence} of this pipeline failed first: {cause}")
+
+    def fields(self) -> dict[str, Any]:
+        return {"sequence": self.sequence, "cause": self.cause}
+
+
+@dataclass(slots=True)
+class _Request:
+    sequence: int
+    payload: bytes
+    row_count: int
+    future: Future[AppendResult]
+    sent_at: float = 0.0  # time.perf_counter() of the first send
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One PublishStream call: how many of the unacknowledged requests (from the head) went
+    out on it."""
+
+    site: str
+    sent: int = 0
+    closed: bool = False
+
+
+@dataclass(slots=True)
+class _Retry:
+    """The retry state of the driver between two acknowledgements."""
+
+    backoff: Backoff
+    redirected: bool = False
+    not_found: set[str] = field(default_factory=set)  # sites that answered TableNotFound
+    not_found_error: TableNotFound | None = None
+
+
+class PublishPipeline:
+    """Pipelined publishing of already validated, encoded payloads to one table.
+
+    `submit` blocks while `max_in_flight` requests are unacknowledged. `producer_id`
+    and `first_sequence` start the producer (a random id by default)."""
+
+    def __init__(
+        self,
+        session: Session,
+        table: str,
+        *,
+        producer_id: bytes | None = None,
+        first_sequence: int = 1,
+        max_in_flight: int = MAX_IN_FLIGHT_DEFAULT,
+        deadline_s: float | None = None,
+    ) -> None:
+        if not 1 <= max_in_flight <= limits.PIPELINE_IN_FLIGHT_MAX:
+            raise InvalidArgument(
+                "max_in_flight", f"must be in [1, {limits.PIPELINE_IN_FLIGHT_MAX}]"
+            )
+        if producer_id is not None and len(producer_id) != PRODUCER_ID_BYTES:
+            raise InvalidArgument("producer_id", f"must be {PRODUCER_ID_BYTES} bytes")
+        if first_sequence < 1:
+            raise InvalidArgument("first_sequence", f"must be >= 1, got {first_sequence}")
+        self._session = session
+        self._table = table
+        self._max_in_flight = max_in_flight
+        self._deadline_s = session.deadline_s if deadline_s is None else deadline_s
+        self._condition = threading.Condition()
+        self._producer_id = producer_id or secrets.token_bytes(PRODUCER_ID_BYTES)
+        self._next_sequence = first_sequence
+        self._producer_known = False  # the group acknowledged a request of this producer
+        self._unacked: collections.deque[_Request] = collections.deque()
+        self._acked = 0  # requests acknowledged so far (progress, for the retry budget)
+        self._closing = False
+        self._driver: threading.Thread | None = None
+        self.resent_requests = 0
+        self.reconnects = 0
+        self.messages_sent = 0
+
+    @property
+    def producer_id(self) -> bytes:
+        with self._condition:
+            return self._producer_id
+
+    @property
+    def next_sequence(self) -> int:
+        with self._condition:
+            return self._next_sequence
+
+    def in_flight(self) -> int:
+        """Requests submitted and not acknowledged (nor failed) yet."""
+        with self._condition:
+            return len(self._unacked)
+
+    def stats(self) -> dict[str, int]:
+        with self._condition:
+            return {
+                "in_flight": len(self._unacked),
+                "acknowledged": self._acked,
+                "reconnects": self.reconnects,
+                "resent_requests": self.resent_requests,
+                "messages_sent": self.messages_sent,
+            }
+
+    def rows_in_flight(self) -> int:
+        with self._condition:
+            return sum(request.row_count for request in self._unacked)
+
+    # -- callers' threads --------------------------------------------------------------
+
+    def submit(self, payload: bytes, row_count: int) -> Future[AppendResult]:
+        """Queue one request (an Arrow IPC stream with the table's schema); its future
+        gives the committed offsets. Blocks while the window is full (at most until the
+        pending requests are acknowledged or fail at the deadline)."""
+        future: Future[AppendResult] = Future()
+        with self._condition:
+            if self._closing:
+                raise InvalidArgument("publisher", "the pipeline is closed")
+            while len(self._unacked) >= self._max_in_flight:  # bounded: acks or failure
+                self._condition.wait(timeout=_POLL_S)
+                if self._closing:
+                    raise InvalidArgument("publisher", "the pipeline is closed")
+            sequence = self._next_sequence
+            self._next_sequence += 1
+            self._unacked.append(_Request(sequence, payload, row_count, future))
+            self._condition.notify_all()
+            if self._driver is None:
+                self._driver = threading.Thread(
+                    target=self._drive, name=f"publish-pipeline-{self._table}", daemon=True
+                )
+                self._driver.start()
+        return future
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted request is acknowledged or failed; False if
+        `timeout_s` passed first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._condition:
+            while self._unacked:  # bounded: every request is acked or fails at the deadline
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                self._condition.wait(timeout=_POLL_S)
+        return True
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush, then end the stream and the driver thread. Requests still pending after
+        `timeout_s` fail with PublishAborted."""
+        self.flush(timeout_s)
+        with self._condition:
+            self._closing = True
+            self._condition.notify_all()
+            driver = self._driver
+        if driver is not None:
+            driver.join(timeout=self._deadline_s)
+        self._fail_all(NodeUnavailable("the pipeline was closed"), renew=False)
+
+    # -- driver thread -----------------------------------------------------------------
+
+    def _drive(self) -> None:
+        try:
+            self._drive_until_closed()
+        except BaseException as error:  # a bug or a closed session: nobody may wait forever
+            log.exception("publish pipeline driver failed table=%s", self._table)
+            with self._condition:
+                self._closing = True
+            self._fail_all(error, renew=False)
+            raise
+
+    def _drive_until_closed(self) -> None:  # the pipeline's event loop: runs until close()
+        site = self._session.route(table=self._table)
+        retry: _Retry | None = None
+        while self._wait_for_work():
+            attempt = _Attempt(site)
+            with self._condition:
+                self.resent_requests += sum(1 for request in self._unacked if request.sent_at)
+                acked_before = self._acked
+            error = self._stream(attempt)
+            with self._condition:
+                attempt.closed = True
+                self._condition.notify_all()
+                progressed = self._acked > acked_before
+            if error is None:
+                continue  # ended cleanly: we half-closed (closing), or it reopens
+            if retry is None or progressed:  # the retry budget counts from the last progress
+                retry = _Retry(self._session.new_backoff(self._deadline_s))
+            self.reconnects += 1
+            site = self._after_failure(site, error, retry)
+
+    def _wait_for_work(self) -> bool:
+        with self._condition:
+            while not self._unacked and not self._closing:
+                self._condition.wait(timeout=_POLL_S)
+            return not self._closing
+
+    def _stream(self, attempt: _Attempt) -> BaseException | None:
+        """Run one PublishStream call until it ends; the error that ended it, or None."""
+        call = self._session.open_stream(attempt.site, "PublishStream", self._outgoing(attempt))
+        try:
+            for acks in call:
+                self._acknowledge(attempt, acks.responses)
+        except grpc.RpcError as rpc_error:
+            return rebuild_error(rpc_error, attempt.site) or rpc_error
+        except RaftStoreError as error:  # a broken answer (_acknowledge)
+            call.cancel()
+            return error
+        with self._condition:
+            if self._unacked and not self._closing:
+                return NodeUnavailable(f"{attempt.site}: stream ended with requests unanswered")
+        return None
+
+    def _outgoing(self, attempt: _Attempt) -> Iterator[hastream_pb2.PublishBatch]:
+        """The messages of one call (gRPC's thread): every unsent request that fits, packed;
+        returns (half-closes) when the call ended or the pipeline closes with all sent."""
+        while True:  # ends with the attempt
+            with self._condition:
+                while True:  # bounded: the attempt ends or requests arrive (polled)
+                    if attempt.closed:
+                        return
+                    requests = self._sendable(attempt)
+                    if requests:
+                        break
+                    if self._closing and attempt.sent == len(self._unacked):
+                        return
+                    self._condition.wait(timeout=_POLL_S)
+                attempt.sent += len(requests)
+                self.messages_sent += 1
+                now = time.perf_counter()
+                for request in requests:
+                    request.sent_at = request.sent_at or now
+                producer_id = self._producer_id
+            yield hastream_pb2.PublishBatch(
+                requests=[
+                    hastream_pb2.PublishRequest(
+                        table=self._table,
+                        payload=request.payload,
+                        producer_id=producer_id,
+                        sequence=request.sequence,
+                    )
+                    for request in requests
+                ]
+            )
+
+    def _sendable(self, attempt: _Attempt) -> list[_Request]:
+        """Unsent requests for one message (caller holds the lock). Until the producer is
+        known, one request at a time (see the module docstring)."""
+        if not self._producer_known and attempt.sent > 0:
+            return []
+        count_max = limits.PIPELINE_BATCH_REQUESTS_MAX if self._producer_known else 1
+        requests: list[_Request] = []
+        size = 0
+        for index in range(attempt.sent, min(len(self._unacked), attempt.sent + count_max)):
+            request = self._unacked[index]
+            if requests and size + len(request.payload) > limits.BATCH_BYTES_MAX:
+                break
+            requests.append(request)
+            size += len(request.payload)
+        return requests
+
+    def _acknowledge(self, attempt: _Attempt, responses: Any) -> None:
+        """Settle the head requests with `responses` (driver thread)."""
+        done: list[tuple[_Request, AppendResult]] = []
+        with self._condition:
+            for response in responses:
+                if not self._unacked or attempt.sent == 0:
+                    raise NodeUnavailable(f"{attempt.site}: answer to a request not sent")
+                request = self._unacked[0]
+                if response.sequence != request.sequence:
+                    raise NodeUnavailable(
+                        f"{attempt.site}: answer for sequence {response.sequence}, "
+                        f"expected {request.sequence}"
+                    )
+                self._unacked.popleft()
+                attempt.sent -= 1
+                done.append((request, _result(response)))
+            if done:
+                self._acked += len(done)
+                self._producer_known = True
+                self._condition.notify_all()
+        if done:
+            self._session.remember_leader(attempt.site, table=self._table, group=None)
+        for request, result in done:
+            request.future.set_result(result)
+
+    def _after_failure(self, site: str, error: BaseException, retry: _Retry) -> str:
+        """Where the next attempt goes; fails the pipeline (and returns `site`) when the
+        error is final or the retry budget is spent."""
+        typed = error if isinstance(error, RaftStoreError) else None
+        if isinstance(typed, TableNotFound):
+            # A node that has not applied the table's creation yet says so: believe it once
+            # every known site did, or a site sends us back to one that did (its leader).
+            retry.not_found.add(site)
+            retry.not_found_error = typed
+            untried = [known for known in self._session.sites if known not in retry.not_found]
+            if untried and retry.backoff.remaining_s() > 0:
+                return untried[0]
+        hint = self._session.redirect_target(typed, site) if typed is not None else None
+        if retry.not_found_error is not None and hint in retry.not_found:
+            typed = error = retry.not_found_error
+        if typed is None or not typed.retryable:
+            log.warning("pipelined publish failed table=%s error=%s", self._table, error)
+            self._fail_all(error, renew=True)
+            return site
+        log.debug("publish stream failed site=%s error=%s", site, error)
+        self._session.forget_leader(site, table=self._table, group=None)
+        if hint is not None and not retry.redirected and retry.backoff.remaining_s() > 0:
+            retry.redirected = True  # the first redirect goes at once; later ones back off
+            return hint
+        if not retry.backoff.wait():
+            log.warning("pipelined publish gave up table=%s error=%s", self._table, error)
+            self._fail_all(error, renew=True)
+            return site
+        return hint if hint is not None else self._session.next_site(site)
+
+    def _fail_all(self, error: BaseException, *, renew: bool) -> None:
+        """Fail every unacknowledged request: the head with `error`, the rest with
+        PublishAborted; with `renew`, go on under a fresh producer. Futures are completed
+        outside the lock (their callbacks may submit)."""
+        with self._condition:
+            if not self._unacked:
+                return
+            failed = list(self._unacked)
+            self._unacked.clear()
+            if renew:
+                self._producer_id = secrets.token_bytes(PRODUCER_ID_BYTES)
+                self._next_sequence = 1
+                self._producer_known = False
+                log.warning(
+                    "pipeline continues under a new producer table=%s failed_requests=%d",
+                    self._table,
+                    len(failed),
+                )
+            self._condition.notify_all()
+        head = failed[0]
+        head.future.set_exception(error)
+        for request in failed[1:]:
+            request.future.set_exception(PublishAborted(head.sequence, str(error)))
+
+
+def _result(response: hastream_pb2.PublishResponse) -> AppendResult:
+    from api_clients.publisher import AppendResult  # Import cycle: publisher uses us.
+
+    return AppendResult(
+        first_offset=response.first_offset,
+        row_count=response.row_count,
+        duplicates=response.duplicates,
+        lsn=response.lsn,
+        duplicate_batch=response.duplicate_batch,
+    )

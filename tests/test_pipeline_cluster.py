@@ -1,0 +1,330 @@
+"""Pipelined publishing (PublishStream, api_clients.PublishPipeline) on real three-node
+clusters: acknowledged in order, exactly once, in order on every replica, across kill -9 of
+the leader; bad input on the stream is refused typed and writes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import grpc
+import pyarrow as pa
+import pytest
+
+from api_clients import AppendResult, PublishAborted, Publisher, Session
+from proto import hastream_pb2 as pb
+from raftstore import limits
+from tests.harness import LocalCluster, assert_replicas_hold_exactly, ipc_stream, wait_until
+
+pytestmark = pytest.mark.cluster
+
+SCHEMA = pa.schema([("id", pa.int64()), ("sym", pa.string()), ("price", pa.float64())])
+# Generous: other heavy tests share this machine, and an election under load takes a while.
+DEADLINE_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(tmp_path_factory.mktemp("pipeline") / "cluster")
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def rows(first: int, count: int, schema: pa.Schema = SCHEMA) -> pa.Table:
+    return pa.table(
+        {
+            "id": pa.array(range(first, first + count), pa.int64()),
+            "sym": pa.array([f"s{i % 7}" for i in range(first, first + count)]),
+            "price": pa.array([i * 0.5 for i in range(first, first + count)]),
+        },
+        schema=schema,
+    )
+
+
+def session_for(cluster: LocalCluster) -> Session:
+    sites = [f"127.0.0.1:{node.port}" for node in cluster.nodes.values()]
+    return Session(sites, deadline_s=DEADLINE_S)
+
+
+def ids_on(cluster: LocalCluster, alias: str, table: str) -> list[int]:
+    data = cluster.read_table(alias, table)
+    return data.column("id").to_pylist() if data.num_rows else []
+
+
+def wait_replicas(cluster: LocalCluster, table: str, rows_total: int) -> None:
+    wait_until(
+        lambda: all(cluster.row_count(a, table) == rows_total for a in cluster.alive()),
+        timeout_s=60,
+        message=f"every replica has {rows_total} rows of {table}",
+    )
+
+
+class RawStream:
+    """A PublishStream call on the raw stub: messages are sent when put."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self._queue: queue.Queue[pb.PublishBatch | None] = queue.Queue()
+        self.call = cluster.stub(cluster.leader()).PublishStream(self._messages(), timeout=60)
+
+    def _messages(self) -> Iterator[pb.PublishBatch]:
+        while (message := self._queue.get()) is not None:  # ends when None is put
+            yield message
+
+    def send(self, *requests: pb.PublishRequest) -> None:
+        self._queue.put(pb.PublishBatch(requests=list(requests)))
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def answers(self) -> tuple[list[pb.PublishResponse], tuple[str, dict[str, object]] | None]:
+        """Every answer until the call ends, and its typed error (name, fields) if any."""
+        answers: list[pb.PublishResponse] = []
+        try:
+            for acks in self.call:
+                answers.extend(acks.responses)
+        except grpc.RpcError as error:
+            metadata = dict(error.trailing_metadata() or ())
+            fields = json.loads(metadata.get("hastream-error-fields", "{}"))
+            return answers, (str(metadata.get("hastream-error")), fields)
+        finally:
+            self.close()
+        return answers, None
+
+
+def producer_of(table: str) -> bytes:
+    """One producer per table: the group's producer window outlives each test's table."""
+    return hashlib.md5(table.encode()).digest()
+
+
+def request(table: str, first: int, sequence: int) -> pb.PublishRequest:
+    return pb.PublishRequest(
+        table=table,
+        payload=ipc_stream(rows(first, 1)),
+        producer_id=producer_of(table),
+        sequence=sequence,
+    )
+
+
+# --- acknowledged in order, exactly once ------------------------------------------------
+
+
+def test_pipelined_one_row_appends_are_acked_in_order_and_land_once_in_order(
+    cluster: LocalCluster,
+) -> None:
+    cluster.create_table("piped", SCHEMA)  # Unkeyed: only the producer window dedups.
+    count = 3_000
+    with session_for(cluster) as session:
+        publisher = Publisher(session, "piped", max_in_flight=64, deadline_s=DEADLINE_S)
+        futures = [publisher.append_async(rows(number, 1)) for number in range(count)]
+        assert publisher.flush() == 0
+        results = [future.result(timeout=0) for future in futures]
+        publisher.close()
+    offsets = [result.first_offset for result in results]
+    assert offsets == list(range(count)), "acks carry the offsets in request order"
+    assert all(result.row_count == 1 for result in results)
+    wait_replicas(cluster, "piped", count)
+    for alias in cluster.alive():
+        assert ids_on(cluster, alias, "piped") == list(range(count)), alias
+
+
+def test_append_after_append_async_goes_through_the_pipeline_in_order(
+    cluster: LocalCluster,
+) -> None:
+    cluster.create_table("mixed", SCHEMA)
+    with session_for(cluster) as session:
+        publisher = Publisher(session, "mixed", deadline_s=DEADLINE_S)
+        first = publisher.append(rows(0, 5))  # unary, before any pipelining
+        futures = [publisher.append_async(rows(5 + number, 1)) for number in range(50)]
+        last = publisher.append(rows(55, 5))  # after the pipelined ones, through the pipeline
+        publisher.close()
+    assert (first.first_offset, last.first_offset) == (0, 55)
+    assert [future.result().first_offset for future in futures] == list(range(5, 55))
+    wait_replicas(cluster, "mixed", 60)
+    assert ids_on(cluster, cluster.leader(), "mixed") == list(range(60))
+
+
+# --- bad input on the stream ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("unknown_table", "TableNotFound"),
+        ("wrong_schema", "SchemaMismatch"),
+        ("garbage", "InvalidArgument"),
+        ("empty", "EmptyBatch"),
+        ("no_producer", "InvalidArgument"),
+        ("too_many", "InvalidArgument"),
+    ],
+)
+def test_bad_request_on_the_stream_is_refused_typed_after_earlier_acks_and_writes_nothing(
+    cluster: LocalCluster, case: str, expected: str
+) -> None:
+    table = f"bad_{case}"
+    cluster.create_table(table, SCHEMA)
+    stream = RawStream(cluster)
+    good = [request(table, number, number + 1) for number in range(3)]
+    bad = request(table, 100, 4)
+    if case == "unknown_table":
+        bad.table = "no_such_table"
+    elif case == "wrong_schema":
+        other = pa.schema([("id", pa.int64()), ("sym", pa.string()), ("price", pa.int32())])
+        bad.payload = ipc_stream(pa.table({"id": [1], "sym": ["a"], "price": [1]}, schema=other))
+    elif case == "garbage":
+        bad.payload = b"\x00garbage, not an Arrow IPC stream\xff" * 10
+    elif case == "empty":
+        bad.payload = ipc_stream(SCHEMA.empty_table())
+    elif case == "no_producer":
+        bad.producer_id = b""
+    later = request(table, 200, 5)
+    if case == "too_many":
+        many = [
+            request(table, 300 + n, 4 + n) for n in range(limits.PIPELINE_BATCH_REQUESTS_MAX + 1)
+        ]
+        stream.send(*good)
+        stream.send(*many)
+    else:
+        stream.send(*good, bad, later)
+    answers, error = stream.answers()
+    assert error is not None
+    assert error[0] == expected, error
+    assert [answer.sequence for answer in answers] == [1, 2, 3], "the good ones were acked first"
+    wait_replicas(cluster, table, 3)
+    for alias in cluster.alive():
+        assert ids_on(cluster, alias, table) == [0, 1, 2], alias
+
+
+def test_a_skipped_sequence_is_refused_as_sequence_gap_and_changes_nothing(
+    cluster: LocalCluster,
+) -> None:
+    cluster.create_table("gap", SCHEMA)
+    stream = RawStream(cluster)
+    stream.send(request("gap", 0, 1))  # The producer is known from here on.
+    stream.send(request("gap", 1, 3))  # Sequence 2 never arrived.
+    answers, error = stream.answers()
+    assert [answer.sequence for answer in answers] == [1]
+    assert error is not None
+    expected = {"producer": producer_of("gap").hex(), "expected": 2, "got": 3}
+    assert error == ("SequenceGap", expected)
+    wait_replicas(cluster, "gap", 1)
+    assert ids_on(cluster, cluster.leader(), "gap") == [0]
+
+
+def test_a_resent_request_is_answered_as_a_duplicate_not_applied_again(
+    cluster: LocalCluster,
+) -> None:
+    cluster.create_table("again", SCHEMA)
+    stream = RawStream(cluster)
+    stream.send(request("again", 0, 1), request("again", 1, 2), request("again", 2, 3))
+    stream.close()
+    first, error = stream.answers()
+    assert error is None
+    stream = RawStream(cluster)  # a reconnect that resends everything
+    stream.send(request("again", 0, 1), request("again", 1, 2), request("again", 2, 3))
+    stream.close()
+    again, error = stream.answers()
+    assert error is None
+    assert [a.duplicate_batch for a in again] == [True, True, True]
+    assert (again[2].first_offset, again[2].row_count) == (first[2].first_offset, 1)
+    assert again[0].first_offset == -1, "older than the producer's last: offsets not kept"
+    assert ids_on(cluster, cluster.leader(), "again") == [0, 1, 2]
+
+
+def test_a_failed_request_aborts_the_later_ones_and_the_publisher_goes_on(
+    cluster: LocalCluster,
+) -> None:
+    cluster.create_table("abort", SCHEMA)
+    with session_for(cluster) as session:
+        publisher = Publisher(session, "abort", deadline_s=DEADLINE_S)
+        assert publisher.append_async(rows(0, 1)).result(timeout=DEADLINE_S).first_offset == 0
+        producer = publisher.producer_id
+        leader = cluster.stub(cluster.leader())
+        leader.DropStreamTable(pb.DropTableRequest(table="abort"), timeout=15)
+        other = pa.schema([("id", pa.int64()), ("sym", pa.string()), ("price", pa.int32())])
+        cluster.create_table("abort", other)
+        futures = [publisher.append_async(rows(n, 1)) for n in range(1, 20)]
+        publisher.flush()
+        errors = [future.exception() for future in futures]
+        assert type(errors[0]).__name__ == "SchemaMismatch", errors[0]
+        assert all(isinstance(error, PublishAborted) for error in errors[1:]), errors
+        assert publisher.producer_id != producer, "a fresh producer after a failure"
+        again = pa.table({"id": [7], "sym": ["x"], "price": pa.array([1], pa.int32())}, other)
+        assert publisher.append_async(again).result(timeout=DEADLINE_S).first_offset == 0
+        publisher.close()
+    wait_replicas(cluster, "abort", 1)
+    for alias in cluster.alive():
+        assert ids_on(cluster, alias, "abort") == [7], alias
+
+
+# --- kill -9 of the leader --------------------------------------------------------------
+
+
+@pytest.fixture
+def chaos_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(tmp_path / "cluster")
+    yield cluster.start()
+    cluster.stop()
+
+
+def test_leader_killed_during_pipelined_publishing_from_4_threads_loses_and_repeats_nothing(
+    chaos_cluster: LocalCluster,
+) -> None:
+    cluster = chaos_cluster
+    cluster.create_table("ticks", SCHEMA)  # Unkeyed: a resent request would show twice.
+    threads, per_thread = 4, 2_500
+    acked: list[list[int]] = [[] for _ in range(threads)]
+    failures: list[BaseException] = []
+    progress = threading.Semaphore(0)
+    resent = [0] * threads
+
+    def publish(number: int) -> None:
+        base = number * 1_000_000
+        try:
+            with session_for(cluster) as session:
+                publisher = Publisher(session, "ticks", max_in_flight=32, deadline_s=DEADLINE_S)
+                futures: list[tuple[int, Future[AppendResult]]] = []
+                for index in range(per_thread):
+                    futures.append((base + index, publisher.append_async(rows(base + index, 1))))
+                    if index % 100 == 0:
+                        progress.release()
+                publisher.flush()
+                stats = publisher.pipeline_stats()
+                assert stats is not None
+                resent[number] = stats["resent_requests"]
+                for key, future in futures:
+                    if future.exception() is None:
+                        acked[number].append(key)
+                    else:
+                        failures.append(future.exception())  # type: ignore[arg-type]
+                publisher.close()
+        except BaseException as error:
+            failures.append(error)
+
+    workers = [threading.Thread(target=publish, args=(n,)) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    for _ in range(threads * 5):  # let every thread get going (poll, bounded by the threads)
+        assert progress.acquire(timeout=DEADLINE_S), "publishers made no progress"
+    victim = cluster.leader()
+    cluster.kill(victim)  # while every thread has requests in flight
+    for worker in workers:
+        worker.join(timeout=DEADLINE_S * 3)
+        assert not worker.is_alive()
+    cluster.start_node(victim)
+    assert not failures, failures[:3]
+    assert sum(resent) > 0, "the kill hit requests in flight"
+    all_acked = [key for keys in acked for key in keys]
+    assert len(all_acked) == threads * per_thread
+    wait_replicas(cluster, "ticks", len(all_acked))
+    assert_replicas_hold_exactly(cluster, "ticks", all_acked, ordered=False)
+    for alias in cluster.alive():
+        ids = ids_on(cluster, alias, "ticks")
+        for number in range(threads):
+            mine = [key for key in ids if key // 1_000_000 == number]
+            assert mine == acked[number], f"{alias}: thread {number}'s rows out of order"
