@@ -84,6 +84,15 @@ class TableStore:
             self._cache_rows = 0
             self.changed.notify_all()
 
+    def start_at(self, offset: int) -> None:
+        """Continue an empty table at `offset` (catch-up when the peers' retention already
+        removed the rows before it; see TableLog.start_at)."""
+        self.log.start_at(offset)
+        with self._lock:
+            self._cache.clear()
+            self._cache_rows = 0
+            self.changed.notify_all()
+
     def _cache_add(self, rows: RowSlice) -> None:
         self._cache.append(rows)
         self._cache_rows += rows.batch.num_rows

@@ -513,3 +513,32 @@ def test_many_rolls_between_syncs_keep_every_record(table_dir: Path) -> None:
     assert len(_segment_files(table_dir)) == 30
     _check_records(_read_all(reopened), 0, 1)
     reopened.close()
+
+
+def test_empty_log_can_start_where_the_peers_retained_data_begins(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    log.start_at(70)
+    assert (log.row_count, log.earliest_offset, log.lsn_last) == (70, 70, 0)
+    with pytest.raises(OffsetOutOfRange):
+        log.read(0)
+    log.append(DataRecord(5, 70, 10, 0, _payload(5)))
+    log.sync()
+    log.close()
+    reopened = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    assert (reopened.row_count, reopened.earliest_offset, reopened.lsn_last) == (80, 70, 5)
+    assert reopened.record_at(75).lsn == 5
+    with pytest.raises(AssertionError):
+        reopened.start_at(200)  # it holds rows: never skip over them
+    reopened.close()
+
+
+def test_start_at_on_a_log_emptied_by_truncation_moves_forward_only(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=2 * RECORD_BYTES)
+    _append(log, 3)
+    log.truncate_from(0)  # an empty log at offset 0, its one segment file empty
+    log.start_at(10)
+    assert (log.row_count, log.earliest_offset) == (10, 10)
+    log.start_at(5)  # behind: nothing to do
+    assert log.row_count == 10
+    log.close()
+    assert _segment_files(table_dir) == [segment_name(10)]

@@ -291,6 +291,36 @@ class TableLog:
             checkpoint.fsync_dir(self._directory)
             self._directory_dirty = False
 
+    def start_at(self, offset: int) -> None:
+        """Make an empty log continue at `offset`: the table's rows before it are gone from
+        every replica (retention), so a replica rebuilt from scratch starts where its peers'
+        data begins. Durable (an empty segment named after `offset`, as `truncate_from`
+        leaves when it removes everything). Writer thread only."""
+        assert not self._closed
+        with self._lock:
+            retained = self._row_count - self._earliest_offset_locked()
+        if retained:
+            raise AssertionError(f"start_at({offset}) on a log holding {retained} rows")
+        if offset <= self._row_count:
+            return
+        self.sync()
+        if self._write_fd >= 0:
+            os.close(self._write_fd)
+            self._write_fd = -1
+        with self._lock:
+            stale, self._segments = self._segments, []
+        for segment in stale:
+            segment.path.unlink()
+        self._roll(offset)
+        with self._lock:
+            self._refresh_totals_locked()
+        self.sync()
+        log.warning(
+            "table log starts at offset %d (earlier rows removed by retention) directory=%s",
+            offset,
+            self._directory,
+        )
+
     def truncate_from(self, offset: int) -> None:
         """Drop every record whose first_offset >= offset (repair), durably: later segments are
         deleted newest first, then the segment holding the cut is truncated and fsynced, so a
