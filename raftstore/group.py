@@ -33,6 +33,7 @@ from raftstore.errors import (
     LeadershipLost,
     NodeUnavailable,
     NotLeader,
+    OffsetOutOfRange,
     ProposalTimeout,
     RaftStoreError,
     TableNotFound,
@@ -358,7 +359,9 @@ class Group:
 
     def _fetch_table(self, table: str, offset_to: int) -> bool:
         store = self._stores[table]
-        for peer in self._peers_leader_first():
+        peers = self._peers_leader_first()
+        retained_from: list[int] = []  # earliest offsets of peers that no longer hold ours
+        for peer in peers:
             try:
                 for record in self._fetch_records(
                     peer, self.group_id, table, store.row_count, offset_to
@@ -372,8 +375,16 @@ class Group:
                 store.log.sync()
                 if store.row_count >= offset_to:
                     return True
+            except OffsetOutOfRange as error:
+                log.warning("catch-up from %s: %s", peer, error)
+                if error.earliest > store.row_count:
+                    retained_from.append(error.earliest)
             except RaftStoreError as error:
                 log.warning("catch-up from %s failed table=%s error=%s", peer, table, error)
+        if len(retained_from) == len(peers) and store.row_count == store.earliest_offset:
+            # Every peer's retention already removed the rows this (empty) replica lacks:
+            # no node can send them. Continue where the peers' data begins.
+            store.start_at(min(retained_from))  # the caller's next round fetches from there
         return False
 
     def _peers_leader_first(self) -> list[NodeAddress]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
 from proto import hastream_pb2, hastream_pb2_grpc
-from raftstore import limits
+from raftstore import errors, limits
 from raftstore.errors import NodeUnavailable
 from raftstore.model import NodeAddress
 from raftstore.storage.segments import DataRecord
@@ -56,6 +57,11 @@ class PeerClient:
                     payload=message.payload,
                 )
         except grpc.RpcError as error:
+            call: Any = error  # a raised RpcError is also the call: it has trailing metadata
+            metadata = {k: v for k, v in call.trailing_metadata() or () if isinstance(v, str)}
+            typed = errors.from_wire(metadata)
+            if typed is not None:  # e.g. OffsetOutOfRange: the peer no longer holds the rows
+                raise typed from None
             raise NodeUnavailable(f"peer {peer}: {error.code().name} {error.details()}") from None
 
     def close(self) -> None:
