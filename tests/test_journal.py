@@ -114,3 +114,11 @@ def test_corrupt_meta_refuses_to_open(tmp_path: Path) -> None:
     meta.write_bytes(bytes(data))
     with pytest.raises(CorruptionError):
         DurableJournal(tmp_path)
+
+
+@pytest.mark.parametrize("size", [1, 4, 7])
+def test_journal_shorter_than_its_header_refuses_to_open(tmp_path: Path, size: int) -> None:
+    (tmp_path / "raft.journal").write_bytes(b"HSRJ\x01\x00\x00"[:size])
+    with pytest.raises(CorruptionError) as raised:
+        DurableJournal(tmp_path)
+    assert "shorter than its header" in raised.value.detail

@@ -96,8 +96,14 @@ class DurableJournal:
             checkpoint.fsync_dir(self._directory)
             return fd
         data = _read_all(fd)
+        if len(data) < _FILE_HEADER.size:
+            os.close(fd)
+            raise CorruptionError(
+                str(self._path), 0, f"journal of {len(data)} bytes is shorter than its header"
+            )
         magic, version = _FILE_HEADER.unpack_from(data, 0)
         if magic != FILE_MAGIC or version != FILE_VERSION:
+            os.close(fd)
             raise CorruptionError(str(self._path), 0, f"bad journal header {magic!r} v{version}")
         end = self._scan(data)
         if end < len(data):
