@@ -213,7 +213,7 @@ class PublishPipeline:
 
     def close(self, timeout_s: float | None = None) -> None:
         """Flush, then end the stream and the driver thread. Requests still pending after
-        `timeout_s` fail with PublishAborted."""
+        `timeout_s` fail (the first with NodeUnavailable, the others with PublishAborted)."""
         self.flush(timeout_s)
         with self._condition:
             self._closing = True

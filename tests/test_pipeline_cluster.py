@@ -16,7 +16,7 @@ import grpc
 import pyarrow as pa
 import pytest
 
-from api_clients import AppendResult, PublishAborted, Publisher, Session
+from api_clients import AppendResult, PublishAborted, Publisher, SchemaMismatch, Session
 from proto import hastream_pb2 as pb
 from raftstore import limits
 from tests.harness import LocalCluster, assert_replicas_hold_exactly, ipc_stream, wait_until
@@ -131,6 +131,36 @@ def test_pipelined_one_row_appends_are_acked_in_order_and_land_once_in_order(
     wait_replicas(cluster, "piped", count)
     for alias in cluster.alive():
         assert ids_on(cluster, alias, "piped") == list(range(count)), alias
+
+
+def test_a_stream_opened_on_a_follower_moves_to_the_leader(cluster: LocalCluster) -> None:
+    cluster.create_table("redirect", SCHEMA)
+    leader = cluster.leader()
+    follower = next(alias for alias in cluster.alive() if alias != leader)
+    sites = [f"127.0.0.1:{cluster.nodes[alias].port}" for alias in (follower, leader)]
+    with Session(sites, deadline_s=DEADLINE_S) as session:
+        publisher = Publisher(session, "redirect", deadline_s=DEADLINE_S)
+        futures = [publisher.append_async(rows(number, 1)) for number in range(100)]
+        publisher.flush()
+        stats = publisher.pipeline_stats()
+        publisher.close()
+    assert [future.result().first_offset for future in futures] == list(range(100))
+    assert stats is not None
+    assert stats["reconnects"] == 1, stats  # NotLeader from the follower, then the leader
+
+
+def test_pipelining_to_a_non_ha_table(cluster: LocalCluster) -> None:
+    stub = cluster.stub("node1")
+    schema_ipc = SCHEMA.serialize().to_pybytes()
+    request = pb.CreateTableRequest(raft_group=0, table="local_piped", schema_ipc=schema_ipc)
+    request.cache_limit = 100
+    stub.HaStreamTable(request, timeout=15)
+    with Session([f"127.0.0.1:{cluster.nodes['node1'].port}"], deadline_s=DEADLINE_S) as session:
+        publisher = Publisher(session, "local_piped", deadline_s=DEADLINE_S)
+        futures = [publisher.append_async(rows(number, 1)) for number in range(500)]
+        publisher.close()
+    assert [future.result().first_offset for future in futures] == list(range(500))
+    assert ids_on(cluster, "node1", "local_piped") == list(range(500))
 
 
 def test_append_after_append_async_goes_through_the_pipeline_in_order(
@@ -248,11 +278,20 @@ def test_a_failed_request_aborts_the_later_ones_and_the_publisher_goes_on(
         leader.DropStreamTable(pb.DropTableRequest(table="abort"), timeout=15)
         other = pa.schema([("id", pa.int64()), ("sym", pa.string()), ("price", pa.int32())])
         cluster.create_table("abort", other)
-        futures = [publisher.append_async(rows(n, 1)) for n in range(1, 20)]
+        futures = []
+        for number in range(1, 20):
+            try:
+                futures.append(publisher.append_async(rows(number, 1)))
+            except SchemaMismatch:  # the first answer came: the new schema refuses it locally
+                break
         publisher.flush()
         errors = [future.exception() for future in futures]
-        assert type(errors[0]).__name__ == "SchemaMismatch", errors[0]
-        assert all(isinstance(error, PublishAborted) for error in errors[1:]), errors
+        # The first failure aborts the requests queued behind it. A request queued after
+        # that (validated with the old schema before the answer came) is the head of the
+        # next attempt, under the new producer, and fails the same way.
+        assert isinstance(errors[0], SchemaMismatch), errors[0]
+        assert all(isinstance(error, SchemaMismatch | PublishAborted) for error in errors)
+        assert any(isinstance(error, PublishAborted) for error in errors) or len(errors) == 1
         assert publisher.producer_id != producer, "a fresh producer after a failure"
         again = pa.table({"id": [7], "sym": ["x"], "price": pa.array([1], pa.int32())}, other)
         assert publisher.append_async(again).result(timeout=DEADLINE_S).first_offset == 0
