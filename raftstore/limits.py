@@ -36,6 +36,9 @@ PIPELINE_IN_FLIGHT_MAX: Final = 256
 # PublishStream: requests in one PublishBatch message (so at most PIPELINE_IN_FLIGHT_MAX +
 # PIPELINE_BATCH_REQUESTS_MAX - 1 are read and unanswered per stream).
 PIPELINE_BATCH_REQUESTS_MAX: Final = 256
+# PublishStream: payload bytes read from one stream and not yet answered; reading also stops
+# at this bound (so a stream holds at most this plus one message, GRPC_MESSAGE_BYTES_MAX).
+PIPELINE_IN_FLIGHT_BYTES_MAX: Final = 64 * MIB
 
 # How long a write waits for commit before it answers ProposalTimeout.
 PROPOSAL_TIMEOUT_S: Final = 10.0
@@ -73,3 +76,4 @@ assert GRPC_MESSAGE_BYTES_MAX > BATCH_BYTES_MAX
 assert SUBSCRIBE_BATCH_BYTES_MAX < GRPC_MESSAGE_BYTES_MAX
 assert RAFT_LOG_BYTES_MAX > 4 * ENTRY_BYTES_MAX
 assert PIPELINE_IN_FLIGHT_MAX <= PUBLISH_QUEUE_MAX, "one stream alone cannot overload a group"
+assert PIPELINE_IN_FLIGHT_BYTES_MAX >= 2 * BATCH_BYTES_MAX, "a stream of big batches pipelines"

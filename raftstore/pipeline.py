@@ -19,8 +19,9 @@ the others are neither proposed nor read).
 
 Threads: the gRPC handler thread runs `PublishStream.responses()`, which yields the answers;
 a reader thread per stream takes messages from the request iterator, validates and submits
-their requests. Reading stops while `limits.PIPELINE_IN_FLIGHT_MAX` requests are read and
-unanswered (HTTP/2 flow control then holds the client back).
+their requests. Reading stops while `limits.PIPELINE_IN_FLIGHT_MAX` requests or
+`limits.PIPELINE_IN_FLIGHT_BYTES_MAX` payload bytes are read and unanswered (HTTP/2 flow
+control then holds the client back).
 
 Group commit: one `Batcher` per Raft group packs the pipelined items of every stream into
 entries (`PipelineBatchers`). It is not the group's own batcher (that one is private to
@@ -98,6 +99,7 @@ class _Pending:
     """One request read from the stream and not answered yet."""
 
     sequence: int
+    size: int  # payload bytes
     group: Group | None
     epoch: int  # the group's epoch when submitted: a change means a role change
     deadline: float  # time.monotonic() by which it must be committed
@@ -126,15 +128,19 @@ class PublishStream:
         batchers: PipelineBatchers,
         is_active: Callable[[], bool],
         in_flight_max: int = limits.PIPELINE_IN_FLIGHT_MAX,
+        in_flight_bytes_max: int = limits.PIPELINE_IN_FLIGHT_BYTES_MAX,
     ) -> None:
         assert in_flight_max >= 1, in_flight_max
+        assert in_flight_bytes_max >= 1, in_flight_bytes_max
         self._messages = messages
         self._route = route
         self._batchers = batchers
         self._is_active = is_active
         self._in_flight_max = in_flight_max
+        self._in_flight_bytes_max = in_flight_bytes_max
         self._condition = threading.Condition()
         self._pending: collections.deque[_Pending] = collections.deque()
+        self._pending_bytes = 0
         self._reading = True  # False once the client half-closed or the reader stopped
         self._closed = False
         self._reader = threading.Thread(target=self._read, name="publish-stream", daemon=True)
@@ -150,6 +156,7 @@ class PublishStream:
                 pending = self._submit_all(message.requests)
                 with self._condition:
                     self._pending.extend(pending)
+                    self._pending_bytes += sum(request.size for request in pending)
                     self._condition.notify_all()
                 if pending and pending[-1].error is not None:
                     break  # nothing after a refused request is read
@@ -160,7 +167,10 @@ class PublishStream:
 
     def _wait_for_room(self) -> bool:
         with self._condition:
-            while not self._closed and len(self._pending) >= self._in_flight_max:
+            while not self._closed and (
+                len(self._pending) >= self._in_flight_max
+                or self._pending_bytes >= self._in_flight_bytes_max
+            ):
                 self._condition.wait(timeout=_POLL_S)
             return not self._closed
 
@@ -180,7 +190,7 @@ class PublishStream:
                 "requests",
                 f"{len(requests)} in one message > {limits.PIPELINE_BATCH_REQUESTS_MAX}",
             )
-            return [_Pending(requests[0].sequence, None, 0, deadline, None, error)]
+            return [_Pending(requests[0].sequence, 0, None, 0, deadline, None, error)]
         targets: dict[str, _Target] = {}
         accepted: list[tuple[_Target, commands.AppendItem]] = []
         refused: _Pending | None = None
@@ -190,7 +200,7 @@ class PublishStream:
                 targets[request.table] = target
                 accepted.append((target, _item(request, target.meta)))
             except RaftStoreError as error:
-                refused = _Pending(request.sequence, None, 0, deadline, None, error)
+                refused = _Pending(request.sequence, 0, None, 0, deadline, None, error)
                 break
         pending = self._propose(accepted, deadline)
         if refused is not None and len(pending) == len(accepted):
@@ -219,10 +229,18 @@ class PublishStream:
             try:
                 answers = self._batchers.of(target.group).submit_many(items)
             except RaftStoreError as error:
-                pending.append(_Pending(items[0].sequence, None, 0, deadline, None, error))
+                pending.append(_Pending(items[0].sequence, 0, None, 0, deadline, None, error))
                 return pending
             pending += [
-                _Pending(item.sequence, target.group, target.epoch, deadline, answer, None)
+                _Pending(
+                    item.sequence,
+                    len(item.payload),
+                    target.group,
+                    target.epoch,
+                    deadline,
+                    answer,
+                    None,
+                )
                 for item, answer in zip(items, answers, strict=True)
             ]
             start = end
@@ -272,7 +290,7 @@ class PublishStream:
                 return acks, error
             wait = False
             with self._condition:
-                self._pending.popleft()
+                self._pending_bytes -= self._pending.popleft().size
                 self._condition.notify_all()
                 pending = self._pending[0] if self._pending else None
         return acks, None
