@@ -147,7 +147,7 @@ def _group_counters(cluster: LocalCluster, alias: str, group: int) -> tuple[int,
     """(entries proposed, journal fdatasyncs) of `group` on `alias`, and the HA term."""
     status = cluster.group_status(alias, group)
     term = int(cluster.group_status(alias, common.HA_GROUP)["term"])
-    entries = int(status["entries_proposed"]) + int(status.get("pipeline_entries_proposed", 0))
+    entries = int(status["entries_proposed"])
     return entries, int(status["journal_syncs"]), term
 
 

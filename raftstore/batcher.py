@@ -118,11 +118,16 @@ class Batcher:
             self._condition.notify()
 
     def fail_in_flight(self, error: RaftStoreError) -> None:
-        """Answer every publish waiting for commit with `error` (leadership was lost: their
-        outcome is unknown, and a deduplicated retry on the new leader is safe)."""
+        """Answer every publish not committed yet with `error` (leadership was lost): those
+        waiting for commit (their outcome is unknown; a deduplicated retry on the new leader
+        is safe) and those still queued, which are dropped: proposed later, should this node
+        lead again, they could commit after a producer's earlier publish had failed."""
         with self._condition:
             waiting = [future for futures in self._waiting.values() for future in futures]
-        for future in waiting:
+            queued = [future for _, future in self._queue]
+            self._queue.clear()
+            self._queued_bytes = 0
+        for future in waiting + queued:
             _settle(future, error=error)
 
     def _drain(self) -> list[tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]]:

@@ -437,6 +437,17 @@ class Group:
         self.published_rows += result.row_count
         return lsn, result
 
+    def submit_appends(
+        self, items: list[commands.AppendItem]
+    ) -> list[Future[tuple[int, ItemResult]]]:
+        """Hand validated items to group commit without waiting (PublishStream), in order:
+        all are queued or none (Overloaded, LeadershipLost). Each future answers like
+        `publish`: (lsn, result) once committed and applied, or LeadershipLost when this
+        node steps down first."""
+        self.require_leader()
+        assert self._batcher is not None
+        return self._batcher.submit_many(items)
+
     def commit_offset(self, topic: str, offset: int) -> int:
         self.require_leader()
         self._propose_command(commands.CommitOffset(topic=topic, offset=offset))

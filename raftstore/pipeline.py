@@ -23,10 +23,10 @@ their requests. Reading stops while `limits.PIPELINE_IN_FLIGHT_MAX` requests or
 `limits.PIPELINE_IN_FLIGHT_BYTES_MAX` payload bytes are read and unanswered (HTTP/2 flow
 control then holds the client back).
 
-Group commit: one `Batcher` per Raft group packs the pipelined items of every stream into
-entries (`PipelineBatchers`). It is not the group's own batcher (that one is private to
-group.py), so on a step-down its in-flight items are failed here, by watching the group's
-epoch, instead of by `Group.on_role_change`.
+Group commit: pipelined items go to the group's own batcher (`Group.submit_appends`), so
+they share Raft entries with unary publishes and fail with them when the node steps down
+(`Group.on_role_change` fails every uncommitted item, queued ones included). The responder
+also watches the group's epoch, so an answer never waits out its deadline on a follower.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ import grpc
 
 from proto import hastream_pb2 as pb
 from raftstore import commands, limits
-from raftstore.batcher import Batcher
 from raftstore.errors import (
     InvalidArgument,
     LeadershipLost,
@@ -64,34 +63,6 @@ _POLL_S: Final = 0.2
 
 Route = Callable[[str], Group]
 Answer = Future[tuple[int, ItemResult]]
-
-
-class PipelineBatchers:
-    """One group-commit Batcher per Raft group for pipelined items, started on first use.
-    Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._batchers: dict[int, Batcher] = {}
-
-    def of(self, group: Group) -> Batcher:
-        with self._lock:
-            batcher = self._batchers.get(group.group_id)
-            if batcher is None:
-                batcher = Batcher(group.group_id, group.replica.propose)
-                self._batchers[group.group_id] = batcher
-            return batcher
-
-    def counters(self, group_id: int) -> dict[str, int]:
-        """Entries and items this group's pipeline batcher proposed so far."""
-        with self._lock:
-            batcher = self._batchers.get(group_id)
-        if batcher is None:
-            return {"pipeline_entries_proposed": 0, "pipeline_items_proposed": 0}
-        return {
-            "pipeline_entries_proposed": batcher.entries_proposed,
-            "pipeline_items_proposed": batcher.items_proposed,
-        }
 
 
 @dataclass(slots=True)
@@ -125,7 +96,6 @@ class PublishStream:
         messages: Iterator[pb.PublishBatch],
         *,
         route: Route,
-        batchers: PipelineBatchers,
         is_active: Callable[[], bool],
         in_flight_max: int = limits.PIPELINE_IN_FLIGHT_MAX,
         in_flight_bytes_max: int = limits.PIPELINE_IN_FLIGHT_BYTES_MAX,
@@ -134,7 +104,6 @@ class PublishStream:
         assert in_flight_bytes_max >= 1, in_flight_bytes_max
         self._messages = messages
         self._route = route
-        self._batchers = batchers
         self._is_active = is_active
         self._in_flight_max = in_flight_max
         self._in_flight_bytes_max = in_flight_bytes_max
@@ -227,7 +196,7 @@ class PublishStream:
                 end += 1
             items = [item for _, item in accepted[start:end]]
             try:
-                answers = self._batchers.of(target.group).submit_many(items)
+                answers = target.group.submit_appends(items)
             except RaftStoreError as error:
                 pending.append(_Pending(items[0].sequence, 0, None, 0, deadline, None, error))
                 return pending
@@ -325,7 +294,7 @@ class PublishStream:
             except NotLeader as error:
                 raise _with_leader(error, group) from None
             if group.epoch != pending.epoch and not group.replica.is_leader():
-                # What Group.on_role_change does for its own batcher's publishes.
+                # Group.on_role_change fails the future too; this covers the window before.
                 raise LeadershipLost("this node stepped down before the entry committed")
             if not self._is_active():
                 raise LeadershipLost("the client went away")  # nobody reads this answer

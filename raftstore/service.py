@@ -31,7 +31,7 @@ from raftstore.errors import (
 )
 from raftstore.group import Group
 from raftstore.model import LOCAL_GROUP, topic_name
-from raftstore.pipeline import PipelineBatchers, PublishStream
+from raftstore.pipeline import PublishStream
 from raftstore.state_machine import TableView
 from raftstore.subscriptions import follow, resolve_start
 from raftstore.tables import RowSlice
@@ -120,7 +120,6 @@ def _rows_max(view: TableView, requested: int) -> int:
 class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     def __init__(self, node: NodeView) -> None:
         self._node = node
-        self._pipeline_batchers = PipelineBatchers()
 
     # --- routing ---
 
@@ -221,7 +220,6 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         stream = PublishStream(
             request_iterator,
             route=lambda table: self._group_of(table, leader_only=True),
-            batchers=self._pipeline_batchers,
             is_active=context.is_active,
         )
         try:
@@ -376,7 +374,6 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     def _group_status(self, group: Group) -> dict[str, Any]:
         status = group.status()
         status.pop("table_stats")
-        status.update(self._pipeline_batchers.counters(group.group_id))
         return status
 
     @unary
