@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime
 import enum
 import fcntl
+import json
 import logging
 import os
 import secrets
@@ -54,6 +56,8 @@ PAYLOAD_CACHE_BYTES_MAX: Final = 32 * 1024 * 1024
 META_NAME: Final = "META"
 COMMIT_NAME: Final = "COMMIT"
 LOCK_NAME: Final = "LOCK"
+# Records the cluster refused for good, moved out of the queue by `reject_head`.
+REJECTED_DIR: Final = "rejected"
 _TMP_SUFFIX: Final = ".tmp"
 
 
@@ -85,6 +89,8 @@ class BufferStats:
     reopened_records: int
     reopened_rows: int
     segments: int
+    rejected_records: int = 0  # Moved to rejected/ by reject_head (this run and earlier ones).
+    rejected_rows: int = 0
 
 
 class RecordQueue(Protocol):
@@ -277,6 +283,8 @@ class DurableBuffer:
         self._truncated_bytes = 0
         self._reopened_records = 0
         self._reopened_rows = 0
+        self._rejected_records = 0
+        self._rejected_rows = 0
         self._closed = False
         self._cache: dict[int, bytes] = {}  # sequence -> payload, see PAYLOAD_CACHE_BYTES_MAX
         self._cache_bytes = 0
@@ -369,6 +377,7 @@ class DurableBuffer:
             self._scan_segment(first, path, is_last=is_last, next_first=next_first)
         self._reopened_records = self._index.pending_records
         self._reopened_rows = self._index.pending_rows
+        self._rejected_records, self._rejected_rows = self._count_rejected()
         self._delete_done_segments()
 
     def _scan_segment(
@@ -616,6 +625,58 @@ class DurableBuffer:
         if removed:
             fsync_dir(self._directory)
 
+    def reject_head(self, reason: str) -> Path | None:
+        """Move the oldest unacknowledged record, which the cluster refused for good
+        (`reason`, e.g. the table was dropped or re-created with another schema), out of the
+        queue so the records after it can go: its payload (an Arrow IPC stream, readable with
+        `pyarrow.ipc.open_stream`) and a JSON note go to `rejected/` in the buffer directory,
+        durably, before it is committed, so it is neither sent again nor lost. Returns the
+        payload's path; None when nothing is pending. Consumer side (the sender's thread)."""
+        record = self.head(0)
+        if record is None:
+            return None
+        directory = self._directory / REJECTED_DIR
+        if not directory.exists():
+            directory.mkdir()
+            fsync_dir(self._directory)
+        stem = f"{record.sequence:020d}"
+        path = directory / f"{stem}.arrows"
+        write_atomic(path, record.payload)
+        note = {
+            "table": self._table,
+            "producer_id": self._producer_id.hex(),
+            "sequence": record.sequence,
+            "row_count": record.row_count,
+            "reason": reason,
+            "rejected_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
+        write_atomic(directory / f"{stem}.json", json.dumps(note, indent=1).encode())
+        self.commit(record.sequence)
+        self.flush_commit()
+        with self._lock:
+            self._rejected_records += 1
+            self._rejected_rows += record.row_count
+        log.error(
+            "record refused by the cluster moved aside table=%s sequence=%d rows=%d path=%s "
+            "reason=%s",
+            self._table,
+            record.sequence,
+            record.row_count,
+            path,
+            reason,
+        )
+        return path
+
+    def _count_rejected(self) -> tuple[int, int]:
+        records = rows = 0
+        directory = self._directory / REJECTED_DIR
+        if directory.is_dir():
+            for note in directory.glob("*.json"):
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                    rows += int(json.loads(note.read_bytes())["row_count"])
+                    records += 1
+        return records, rows
+
     # -- inspection ------------------------------------------------------------------
 
     def pending_records(self) -> list[BufferedRecord]:
@@ -645,6 +706,8 @@ class DurableBuffer:
                 reopened_records=self._reopened_records,
                 reopened_rows=self._reopened_rows,
                 segments=len(self._segments),
+                rejected_records=self._rejected_records,
+                rejected_rows=self._rejected_rows,
             )
 
     def close(self) -> None:

@@ -24,12 +24,18 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import pyarrow as pa
 
 from api_clients import batches
-from api_clients.buffer import BUFFER_BYTES_MAX_DEFAULT, BufferStats, DurableBuffer
+from api_clients.buffer import (
+    BUFFER_BYTES_MAX_DEFAULT,
+    REJECTED_DIR,
+    BufferStats,
+    DurableBuffer,
+)
 from api_clients.pipeline import MAX_IN_FLIGHT_DEFAULT, PublishPipeline
 from proto import hastream_pb2
 from raftstore import limits
@@ -134,6 +140,7 @@ class Publisher:
         self._deadline_s = deadline_s
         self._schema: pa.Schema | None = schema
         self._lock = threading.Lock()
+        self._refused: str | None = None  # why the buffered head record was refused
 
     @property
     def table_name(self) -> str:
@@ -325,6 +332,16 @@ class Publisher:
                 result = self._send(record.payload, record.sequence, remaining_s)
             except RaftStoreError as error:
                 if not error.retryable:
+                    log.error(
+                        "the cluster refused buffered record sequence=%d rows=%d for good: %s; "
+                        "it stays buffered and blocks the records after it until "
+                        "reject_buffered_head() moves it to %s",
+                        record.sequence,
+                        record.row_count,
+                        error,
+                        self._buffer.directory / REJECTED_DIR,
+                    )
+                    self._refused = f"{type(error).__name__}: {error}"
                     raise
                 log.warning(
                     "cluster unreachable, rows stay buffered table=%s pending_rows=%d error=%s",
@@ -337,6 +354,20 @@ class Publisher:
             results[record.sequence] = result
         self._buffer.flush_commit()
         return results
+
+    def reject_buffered_head(self) -> Path | None:
+        """After `append`/`flush` raised a non-retryable error for a buffered record (the
+        table was dropped, or re-created with another schema): move that record out of the
+        queue into `<durable_buffer_dir>/rejected/` (its Arrow IPC payload and a JSON note
+        with the error), durably, so the records after it are sent. Nothing is dropped
+        silently: this is the caller's decision. Returns the payload's path; None without a
+        durable buffer or with nothing pending."""
+        with self._lock:
+            if self._buffer is None:
+                return None
+            reason = self._refused or "rejected by the caller"
+            self._refused = None
+            return self._buffer.reject_head(reason)
 
     def flush(self, deadline_s: float | None = None) -> int:
         """Sends what the durable buffer holds (oldest first) until it is empty or the

@@ -643,3 +643,48 @@ def test_writer_refuses_rows_after_it_stopped(cluster: LocalCluster) -> None:
         with pytest.raises(WriterStopped):
             writer.insert(2, pd.Timestamp(0), "S", 1.0, 5)
     assert cluster.row_count(cluster.leader(), "ticks") == 1
+
+
+def test_a_buffered_record_refused_for_good_blocks_until_the_caller_moves_it_aside(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    cluster.create_table("ticks", SCHEMA)
+    buffer_dir = tmp_path / "buffer"
+    other = pa.schema([("id", pa.int64()), ("note", pa.string())])
+    with session_for(cluster) as session:
+        publisher = Publisher(session, "ticks", durable_buffer_dir=buffer_dir)
+        assert publisher.append(frame(0, 10)).acknowledged
+        # The table is re-created with another schema under the publisher's feet: its next
+        # record (checked against the schema it knew) is refused by the cluster for good.
+        session.dropStreamTable("ticks", force=True)
+        cluster.create_table("ticks", other)
+        with pytest.raises(SchemaMismatch):
+            publisher.append(frame(10, 5))
+        # The refused record stays first in line: a good record behind it waits.
+        good = pa.table({"id": pa.array([100, 101], pa.int64()), "note": ["a", "b"]})
+        with pytest.raises(SchemaMismatch):
+            publisher.append(good)
+        assert publisher.buffer_stats().pending_records == 2
+        assert cluster.row_count(cluster.leader(), "ticks") == 0
+
+        path = publisher.reject_buffered_head()
+        assert path is not None
+        assert path.parent == buffer_dir / "rejected"
+        kept = pa.ipc.open_stream(path.read_bytes()).read_all()
+        assert kept.column("id").to_pylist() == list(range(10, 15))
+        note = json.loads(path.with_suffix(".json").read_text())
+        assert note["row_count"] == 5
+        assert note["reason"].startswith("SchemaMismatch")
+
+        assert publisher.flush() == 0
+        stats = publisher.buffer_stats()
+        assert (stats.rejected_records, stats.rejected_rows) == (1, 5)
+        publisher.close()
+    converged(cluster, "ticks", 2)
+    assert table_ids(cluster, cluster.leader(), "ticks") == [100, 101]
+    reopened = DurableBuffer(buffer_dir, table="ticks")
+    try:
+        assert reopened.stats().rejected_records == 1
+        assert reopened.stats().pending_records == 0
+    finally:
+        reopened.close()
