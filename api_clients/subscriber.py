@@ -55,6 +55,10 @@ POLL_S: Final = 0.1
 RECONNECT_DEADLINE_S_DEFAULT: Final = 600.0
 COMMIT_DEADLINE_S: Final = 5.0
 READER_JOIN_TIMEOUT_S: Final = 5.0
+# A leader sends an empty message every SUBSCRIBE_HEARTBEAT_S (1 s) on an idle stream: this
+# long without any message means the node is frozen, cut off or overloaded past use, and the
+# subscription moves on (the next site, or the leader it names) instead of waiting for TCP.
+STREAM_IDLE_TIMEOUT_S: Final = 6 * limits.SUBSCRIBE_HEARTBEAT_S
 STOP_TIMEOUT_S_DEFAULT: Final = 30.0
 
 
@@ -366,13 +370,20 @@ class Subscription:
 
     def _pump(self, items: queue.Queue[_Item], site: str) -> tuple[BaseException | None, bool]:
         received = False
+        heard_at = time.monotonic()  # the last message, rows or heartbeat
         while not self._stop_event.is_set():  # Bounded by the stream: its _End returns.
             try:
                 item = items.get(timeout=self._poll_timeout_s())
             except queue.Empty:
                 self._flush_if_due()
                 self._commit()
+                silent_s = time.monotonic() - heard_at
+                if silent_s > STREAM_IDLE_TIMEOUT_S:
+                    self._flush()
+                    log.warning("no message for %.1fs topic=%s site=%s", silent_s, self.topic, site)
+                    return NodeUnavailable(f"{site}: no message for {silent_s:.1f}s"), received
                 continue
+            heard_at = time.monotonic()
             if isinstance(item, _End):
                 self._flush()
                 return self._classify(item.error, site), received

@@ -61,6 +61,8 @@ def consume(stream: grpc.Call, rows: int) -> tuple[float, int, int]:
     received = 0
     payload_bytes = 0
     for message in stream:
+        if message.row_count == 0:
+            continue  # a heartbeat
         table = pa.ipc.open_stream(message.payload).read_all()
         received += table.num_rows
         payload_bytes += len(message.payload)

@@ -61,6 +61,9 @@ PRODUCERS_MAX: Final = 10_000
 # Subscriptions.
 SUBSCRIBE_BATCH_ROWS_MAX: Final = 65_536
 SUBSCRIBE_BATCH_BYTES_MAX: Final = 8 * MIB
+# An idle subscription stream gets an empty RowBatch this often, so its subscriber can tell a
+# quiet table from a frozen or cut-off leader in seconds (api_clients STREAM_IDLE_TIMEOUT_S).
+SUBSCRIBE_HEARTBEAT_S: Final = 1.0
 SUBSCRIPTIONS_MAX: Final = 1_000
 
 # gRPC messages must carry the largest batch plus framing.

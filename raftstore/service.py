@@ -241,6 +241,9 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         try:
             rows_max = _rows_max(view, request.batch_rows)
             for slices in follow(group, store, position, rows_max, context.is_active):
+                if not slices:  # a heartbeat: no rows, the table's current length
+                    yield pb.RowBatch(row_count=0, table_row_count=store.row_count)
+                    continue
                 yield from _messages(slices, store.row_count)
         finally:
             group.subscriber_closed(topic)

@@ -7,6 +7,7 @@ its last processed offset.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Final
 
@@ -45,9 +46,11 @@ def follow(
     is_active: Callable[[], bool],
 ) -> Iterator[list[RowSlice]]:
     """Yield lists of row slices from `position` on, waiting for new rows, until the client
-    goes away. Raises NotLeader when leadership is lost, TableNotFound when dropped."""
+    goes away; an empty list after SUBSCRIBE_HEARTBEAT_S without rows (a heartbeat). Raises
+    NotLeader when leadership is lost, TableNotFound when dropped."""
     rows_max = min(rows_max or limits.SUBSCRIBE_BATCH_ROWS_MAX, limits.SUBSCRIBE_BATCH_ROWS_MAX)
     epoch = group.epoch
+    sent_at = time.monotonic()
     while is_active():
         if group.epoch != epoch or not group.replica.is_leader():
             leader = group.leader()
@@ -59,6 +62,11 @@ def follow(
             last = slices[-1]
             position = last.first_offset + last.batch.num_rows
             yield slices
+            sent_at = time.monotonic()
+            continue
+        if time.monotonic() - sent_at >= limits.SUBSCRIBE_HEARTBEAT_S:
+            yield []
+            sent_at = time.monotonic()
             continue
         with store.changed:
             if store.row_count <= position and not store.closed and group.epoch == epoch:

@@ -411,9 +411,10 @@ def test_subscriber_resumes_from_persisted_offset_across_leader_kills_and_its_ow
     assert_replicas_hold_exactly(cluster, "ticks", list(range(rows_total)))
 
 
-def test_subscriber_leaves_a_frozen_leader_by_keepalive(cluster: LocalCluster) -> None:
-    """A SIGSTOPped leader keeps its TCP connections open but answers nothing; the client's
-    keepalive pings go unanswered, the stream fails, and the subscription moves on."""
+def test_subscriber_leaves_a_frozen_leader(cluster: LocalCluster) -> None:
+    """A SIGSTOPped leader keeps its TCP connections open but answers nothing: its heartbeats
+    stop (STREAM_IDLE_TIMEOUT_S), as do answers to the client's keepalive pings, and the
+    subscription moves on."""
     cluster.create_table("ticks", SCHEMA, key_column="id")
     handled: list[int] = []
     lock = threading.Lock()

@@ -236,6 +236,8 @@ def subscribe_rows(cluster: LocalCluster, request: pb.SubscribeRequest, wanted: 
     call = cluster.stub(cluster.leader()).Subscribe(request, timeout=30)
     try:
         for message in call:
+            if message.row_count == 0:
+                continue  # a heartbeat
             data = read_stream(message.payload)
             received.extend(data.column("id").to_pylist())
             if len(received) >= wanted:
@@ -333,6 +335,26 @@ def test_subscribe_to_a_follower_is_refused_with_the_leader(cluster: LocalCluste
     name, fields = error_of(raised)
     assert name == "NotLeader"
     assert str(fields["leader"]).endswith(f":{leader}")
+
+
+def test_an_idle_subscription_gets_heartbeats_with_the_table_length(
+    cluster: LocalCluster,
+) -> None:
+    create(cluster, "quiet")
+    publish(cluster, "quiet", rows("quiet", 0, 3))
+    call = cluster.stub(cluster.leader()).Subscribe(
+        pb.SubscribeRequest(table="quiet", action_name="hb", offset=0), timeout=30
+    )
+    try:
+        messages = iter(call)
+        first = next(messages)
+        assert (first.first_offset, first.row_count) == (0, 3)
+        # Nothing more to send: the leader says it is alive, and how long the table is.
+        heartbeat = next(messages)
+        assert (heartbeat.row_count, heartbeat.payload, heartbeat.table_row_count) == (0, b"", 3)
+        assert next(messages).row_count == 0
+    finally:
+        call.cancel()
 
 
 def test_drop_is_refused_while_subscribed_unless_forced(
