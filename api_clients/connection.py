@@ -301,7 +301,7 @@ class Session:
             stub = self._stubs.get(site)
             if stub is None:
                 channel = grpc.insecure_channel(site, options=self._channel_options)
-                stub = hastream_pb2_grpc.StreamTableStub(channel)  # type: ignore[no-untyped-call]
+                stub = hastream_pb2_grpc.StreamTableStub(channel)
                 self._channels[site] = channel
                 self._stubs[site] = stub
             return stub

@@ -295,7 +295,7 @@ def wait_ready(
 
 
 def _stub(channel: grpc.Channel) -> Any:
-    return hastream_pb2_grpc.StreamTableStub(channel)  # type: ignore[no-untyped-call]
+    return hastream_pb2_grpc.StreamTableStub(channel)
 
 
 def query_leader(node: NodeConfig, group_id: int) -> str | None:

@@ -68,7 +68,8 @@ def ipc_stream(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
-    return sink.getvalue().to_pybytes()
+    payload: bytes = sink.getvalue().to_pybytes()
+    return payload
 
 
 def read_stream(payload: bytes) -> pa.Table:
@@ -272,9 +273,11 @@ class LocalCluster:
             status = self.group_status(alias, group)
             return alias if status["role"] == "leader" else None
 
-        return wait_until(
+        leader = wait_until(
             agreed, timeout_s=timeout_s, interval_s=0.1, message=f"leader of group {group}"
         )
+        assert leader is not None  # wait_until returns only a truthy value
+        return leader
 
     def create_table(
         self,

@@ -188,9 +188,9 @@ class Group:
         elif isinstance(effect, CreateTableFiles):
             self._open_store(effect.meta.table, created_lsn=effect.meta.created_lsn)
         elif isinstance(effect, DropTableFiles):
-            store = self._stores.pop(effect.table, None)
-            if store is not None:
-                store.destroy()
+            dropped = self._stores.pop(effect.table, None)
+            if dropped is not None:
+                dropped.destroy()
             else:
                 shutil.rmtree(self.settings.data_dir / effect.table, ignore_errors=True)
             log.info("dropped table group=%d table=%s", self.group_id, effect.table)

@@ -183,7 +183,7 @@ def _patch_pysyncobj() -> None:
         return
     _patched = True
     setattr(pysyncobj_pickle, "__protocol", 5)
-    pysyncobj_tcp_connection.zlib = _NoCompression  # type: ignore[assignment]
+    pysyncobj_tcp_connection.zlib = _NoCompression
     pysyncobj_syncobj.createJournal = _create_journal
     pysyncobj_syncobj.getEncryptor = _GmacAuthenticator
     pysyncobj_syncobj.HAS_CRYPTO = True
@@ -326,12 +326,12 @@ def _do_apply_command(self: _SyncObj, command: bytes) -> Any:
         os._exit(70)
 
 
-_original_send_next_node_idx = SyncObj._SyncObj__sendNextNodeIdx  # type: ignore[attr-defined]
-_original_on_message_received = SyncObj._SyncObj__onMessageReceived  # type: ignore[attr-defined]
-_original_do_apply_command = SyncObj._SyncObj__doApplyCommand  # type: ignore[attr-defined]
-_SyncObj._SyncObj__sendNextNodeIdx = _send_next_node_idx  # type: ignore[attr-defined]
-_SyncObj._SyncObj__doApplyCommand = _do_apply_command  # type: ignore[attr-defined]
-_SyncObj._SyncObj__onMessageReceived = _on_message_received  # type: ignore[attr-defined]
+_original_send_next_node_idx = SyncObj._SyncObj__sendNextNodeIdx
+_original_on_message_received = SyncObj._SyncObj__onMessageReceived
+_original_do_apply_command = SyncObj._SyncObj__doApplyCommand
+_SyncObj._SyncObj__sendNextNodeIdx = _send_next_node_idx
+_SyncObj._SyncObj__doApplyCommand = _do_apply_command
+_SyncObj._SyncObj__onMessageReceived = _on_message_received
 
 _FAILURES: Final[dict[int, Callable[[], RaftStoreError]]] = {
     FAIL_REASON.QUEUE_FULL: lambda: Overloaded("raft commands", limits.RAFT_COMMAND_QUEUE_MAX),

@@ -86,7 +86,8 @@ def _ipc_stream(slices: list[RowSlice]) -> bytes:
     with pa.ipc.new_stream(sink, slices[0].batch.schema) as writer:
         for rows in slices:
             writer.write_batch(rows.batch)
-    return sink.getvalue().to_pybytes()
+    payload: bytes = sink.getvalue().to_pybytes()
+    return payload
 
 
 def _messages(slices: list[RowSlice], table_row_count: int) -> Iterator[pb.RowBatch]:

@@ -41,7 +41,7 @@ def local_target(host: str, port: int) -> str:
 def leaders(target: str, group_ids: tuple[int, ...]) -> dict[int, str]:
     """group id -> leader (`host:port:alias`, "" while unknown) as the node sees it."""
     with grpc.insecure_channel(target) as channel:
-        stub = hastream_pb2_grpc.StreamTableStub(channel)  # type: ignore[no-untyped-call]
+        stub = hastream_pb2_grpc.StreamTableStub(channel)
         found = {}
         for group_id in group_ids:
             request = hastream_pb2.GroupRequest(raft_group=group_id)

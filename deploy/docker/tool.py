@@ -210,7 +210,7 @@ def wait_until(
 def _call(deployment: Deployment, alias: str, method: str, request: Any) -> Any | None:
     """One unary call to node `alias` through its published port; None if it fails."""
     with grpc.insecure_channel(deployment.site(alias)) as channel:
-        stub = hastream_pb2_grpc.StreamTableStub(channel)  # type: ignore[no-untyped-call]
+        stub = hastream_pb2_grpc.StreamTableStub(channel)
         try:
             return getattr(stub, method)(request, timeout=RPC_TIMEOUT_S)
         except grpc.RpcError:
