@@ -80,6 +80,37 @@ class AckedPublisher:
             return False
 
 
+def wait_replicas_settled(
+    cluster: LocalCluster, table: str, group: int = 2, timeout_s: float = 60
+) -> None:
+    """Wait until every live replica has applied all the leader committed, including a
+    barrier entry of the leader's own term (an offset commit), which commits any entry left
+    over from before a crash. After that, without new publishes, no row count can change, so
+    replicas can be compared (equal row counts alone can be a passing moment)."""
+    request = pb.CommitOffsetRequest(table=table, action_name="__settled", offset=0)
+
+    def barrier() -> int | None:
+        leader = cluster.leader(group)
+        try:
+            cluster.stub(leader).CommitOffset(request, timeout=10)
+        except grpc.RpcError:
+            return None  # an election under way: try again
+        return int(cluster.group_status(leader, group)["commit_index"])
+
+    committed = wait_until(barrier, timeout_s=timeout_s, message="barrier entry committed")
+
+    def applied(alias: str) -> bool:
+        status = cluster.group_status(alias, group)
+        # A replica catching up from a peer counts entries as applied before its rows land.
+        return int(status["last_applied"]) >= committed and not status["catching_up"]
+
+    wait_until(
+        lambda: all(applied(alias) for alias in cluster.alive()),
+        timeout_s=timeout_s,
+        message=f"every replica applied up to {committed}",
+    )
+
+
 def assert_replicas_hold_exactly(
     cluster: LocalCluster, table: str, acked: list[int], key: str = "id", *, ordered: bool = True
 ) -> None:

@@ -19,6 +19,7 @@ from tests.harness import (
     LocalCluster,
     assert_replicas_hold_exactly,
     ipc_stream,
+    wait_replicas_settled,
     wait_until,
 )
 
@@ -129,12 +130,7 @@ def test_kill_all_nodes_during_load_with_purging_loses_nothing(
     acked = list(publisher.acked)
     assert acked, "nothing was acknowledged before the kill"
     cluster.start()
-    leader = cluster.leader()
-    wait_until(
-        lambda: len({cluster.row_count(a, "ticks") for a in cluster.alive()}) == 1,
-        timeout_s=60,
-        message="replicas converge after restart",
-    )
+    wait_replicas_settled(cluster, "ticks")
     assert_replicas_hold_exactly(cluster, "ticks", acked)
 
 

@@ -22,6 +22,12 @@ def fill(journal: DurableJournal, count: int, first_idx: int = 1, term: int = 1)
     journal.sync()
 
 
+def crash_while_writing(journal: DurableJournal, idx: int) -> None:
+    """Entry `idx` written but not fdatasynced, then the process dies (kill -9)."""
+    journal.add(f"command-{idx}".encode() * 3, idx, 1)
+    os.close(journal._fd)
+
+
 def entries(directory: Path) -> list[tuple[bytes, int, int]]:
     journal = DurableJournal(directory)
     try:
@@ -71,9 +77,10 @@ def test_torn_tail_is_truncated_to_the_last_whole_entry(
 ) -> None:
     directory = tmp_path_factory.mktemp("journal")
     journal = DurableJournal(directory)
-    fill(journal, 10)
-    kept = list(journal[:9])
-    journal._destroy()
+    fill(journal, 9)
+    kept = list(journal[:])
+    journal.onOneSecondTimer()  # raft.meta: entries up to 9 are fdatasynced
+    crash_while_writing(journal, 10)
     path = directory / "raft.journal"
     size = path.stat().st_size
     last_record = len(kept[-1][0]) + 24  # header of the last (10th) record + its command
@@ -122,3 +129,35 @@ def test_journal_shorter_than_its_header_refuses_to_open(tmp_path: Path, size: i
     with pytest.raises(CorruptionError) as raised:
         DurableJournal(tmp_path)
     assert "shorter than its header" in raised.value.detail
+
+
+def test_damage_to_an_fdatasynced_last_entry_is_corruption_not_a_torn_tail(
+    tmp_path: Path,
+) -> None:
+    # A flipped bit in the last record's length makes it run past the end of the file, which
+    # looks like a torn write; raft.meta knows it was synced (and maybe acknowledged).
+    journal = DurableJournal(tmp_path)
+    fill(journal, 10)
+    last_position = journal._positions[-1]
+    journal._destroy()
+    path = tmp_path / "raft.journal"
+    data = bytearray(path.read_bytes())
+    data[last_position + 7] ^= 0x01  # the high byte of command_len
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptionError) as raised:
+        DurableJournal(tmp_path)
+    assert "fdatasynced" in raised.value.detail
+
+
+def test_a_torn_entry_written_after_the_log_was_cut_is_still_a_torn_tail(
+    tmp_path: Path,
+) -> None:
+    journal = DurableJournal(tmp_path)
+    fill(journal, 10)
+    journal.onOneSecondTimer()
+    journal.deleteEntriesFrom(5)  # a new leader's log differs from index 6 on
+    journal.sync()
+    crash_while_writing(journal, 6)
+    path = tmp_path / "raft.journal"
+    os.truncate(path, path.stat().st_size - 3)
+    assert [idx for _, idx, _ in entries(tmp_path)] == [1, 2, 3, 4, 5]

@@ -25,7 +25,11 @@ it only delays re-applying entries after a restart).
 Recovery: a record that is incomplete or fails its CRC at the very end of the file is a torn
 write (it was never acknowledged, because acknowledgement waits for fdatasync): it is
 truncated with a WARNING. A failing record followed by more data is corruption: the node
-refuses to start (CorruptionError) rather than forget acknowledged entries.
+refuses to start (CorruptionError) rather than forget acknowledged entries. So is a failing
+record whose index `raft.meta` says was fdatasynced (`synced_last_index`, stored with the
+commit index at most once per second, and at once when the log is cut below it): a damaged
+length field can make an old record look like a torn tail, and a node that dropped entries
+it acknowledged could vote a candidate missing committed entries into office.
 """
 
 from __future__ import annotations
@@ -146,7 +150,16 @@ class DurableJournal:
 
     def _torn_or_corrupt(self, view: memoryview, position: int, problem: str) -> None:
         """A torn write is the last thing in the file: the failing record reaches the end of
-        the file, or only zero bytes follow it. Anything else is corruption."""
+        the file, or only zero bytes follow it, and it was never fdatasynced. Anything else is
+        corruption."""
+        synced_last = int(self._meta.get("synced_last_index", 0))
+        if self._entries and self._entries[-1][1] + 1 <= synced_last:
+            raise CorruptionError(
+                str(self._path),
+                position,
+                f"{problem}; entry {self._entries[-1][1] + 1} was fdatasynced "
+                f"(synced_last_index {synced_last} in raft.meta), so this is no torn write",
+            )
         length = 0
         if position + _RECORD_HEADER.size <= len(view):
             _, length, _, _ = _RECORD_HEADER.unpack_from(view, position)
@@ -261,6 +274,9 @@ class DurableJournal:
             os.fdatasync(self._fd)
             self._dirty = False
             self.syncs += 1
+            if self._entries and self._meta.get("synced_last_index") != self._entries[-1][1]:
+                self._meta["synced_last_index"] = self._entries[-1][1]
+                self._meta_dirty = True  # stored with the commit index (onOneSecondTimer)
 
     @property
     def dirty(self) -> bool:
@@ -276,6 +292,12 @@ class DurableJournal:
         return self._directory
 
     def _truncate_to(self, count: int) -> None:
+        kept_last = self._entries[count - 1][1] if count else 0
+        if int(self._meta.get("synced_last_index", 0)) > kept_last:
+            # Durably before the cut: entries written later at these indexes are not synced,
+            # and a torn one must not be taken for corruption.
+            self._meta["synced_last_index"] = kept_last
+            self._store_meta()
         position = self._positions[count] if count < len(self._positions) else None
         if position is None:
             position = _FILE_HEADER.size if count == 0 else os.lseek(self._fd, 0, os.SEEK_END)
