@@ -187,6 +187,27 @@ class Publisher:
             self._buffer.set_schema(self._schema)
         return self._schema
 
+    def _to_table(self, data: object) -> pa.Table:
+        """`data` as a table with the table's schema (caller holds the lock). A mismatch
+        with a schema fetched earlier is checked once more against a fresh one: the table
+        may have been re-created with another schema since."""
+        cached = self._schema
+        schema = self._table_schema()
+        try:
+            return batches.to_table(data, schema, self._table)
+        except SchemaMismatch as mismatch:
+            if cached is None:
+                raise
+            self._schema = None
+            try:
+                fresh = self._table_schema()
+            except RaftStoreError:
+                self._schema = cached  # the cluster cannot say: keep what we knew
+                raise mismatch from None
+            if fresh.equals(cached):
+                raise
+            return batches.to_table(data, fresh, self._table)
+
     def append(self, data: object) -> AppendResult:
         """Appends `data` (a pandas DataFrame, a pyarrow Table or RecordBatch, or a list of
         row tuples or dicts) and returns the committed offsets.
@@ -202,8 +223,7 @@ class Publisher:
         if self._pipeline is not None:
             return self.append_async(data).result()
         with self._lock:
-            schema = self._table_schema()
-            table = batches.to_table(data, schema, self._table)
+            table = self._to_table(data)
             chunks = batches.encode_chunks(table, bytes_max=self._batch_bytes_max)
             if self._buffer is not None:
                 return self._append_buffered(chunks)
@@ -223,8 +243,7 @@ class Publisher:
         if self._buffer is not None:
             raise InvalidArgument("durable_buffer_dir", _NO_PIPELINE_WITH_BUFFER)
         with self._lock:
-            schema = self._table_schema()
-            table = batches.to_table(data, schema, self._table)
+            table = self._to_table(data)
             chunks = batches.encode_chunks(table, bytes_max=self._batch_bytes_max)
             pipeline = self._pipeline_started()
             futures = [pipeline.submit(chunk.payload, chunk.row_count) for chunk in chunks]

@@ -273,14 +273,7 @@ class PublishStream:
         if result.error is not None:
             raise result.error
         pending.group.published_rows += result.row_count
-        return pb.PublishResponse(
-            lsn=lsn,
-            first_offset=result.first_offset,
-            row_count=result.row_count,
-            duplicates=result.duplicates,
-            duplicate_batch=result.duplicate_batch,
-            sequence=pending.sequence,
-        )
+        return publish_response(lsn, result, pending.sequence)
 
     def _wait(self, pending: _Pending, group: Group, answer: Answer) -> tuple[int, ItemResult]:
         while True:  # bounded by the proposal deadline
@@ -304,6 +297,18 @@ class PublishStream:
         with self._condition:
             self._closed = True
             self._condition.notify_all()
+
+
+def publish_response(lsn: int, result: ItemResult, sequence: int = 0) -> pb.PublishResponse:
+    """The answer to one committed publish (unary or pipelined)."""
+    return pb.PublishResponse(
+        lsn=lsn,
+        first_offset=result.first_offset,
+        row_count=result.row_count,
+        duplicates=result.duplicates,
+        duplicate_batch=result.duplicate_batch,
+        sequence=sequence,
+    )
 
 
 def _ready(pending: _Pending) -> bool:

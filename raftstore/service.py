@@ -31,7 +31,7 @@ from raftstore.errors import (
 )
 from raftstore.group import Group
 from raftstore.model import LOCAL_GROUP, topic_name
-from raftstore.pipeline import PublishStream
+from raftstore.pipeline import PublishStream, publish_response
 from raftstore.state_machine import TableView
 from raftstore.subscriptions import follow, resolve_start
 from raftstore.tables import RowSlice
@@ -206,13 +206,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             payload=request.payload,
         )
         lsn, result = self._group_of(request.table, leader_only=True).publish(item)
-        return pb.PublishResponse(
-            lsn=lsn,
-            first_offset=result.first_offset,
-            row_count=result.row_count,
-            duplicates=result.duplicates,
-            duplicate_batch=result.duplicate_batch,
-        )
+        return publish_response(lsn, result)
 
     @streaming
     def PublishStream(

@@ -689,3 +689,22 @@ def test_a_buffered_record_refused_for_good_blocks_until_the_caller_moves_it_asi
         assert reopened.stats().pending_records == 0
     finally:
         reopened.close()
+
+
+def test_publisher_follows_a_table_re_created_with_another_schema(cluster: LocalCluster) -> None:
+    cluster.create_table("ticks", SCHEMA)
+    other = pa.schema([("id", pa.int64()), ("note", pa.string())])
+    with session_for(cluster) as session:
+        publisher = Publisher(session, "ticks", deadline_s=DEADLINE_S)
+        publisher.append(frame(0, 3))
+        session.dropStreamTable("ticks", force=True)
+        cluster.create_table("ticks", other)
+        # Rows of the new schema: the schema the publisher fetched before is stale, so it
+        # looks again before refusing them.
+        result = publisher.append(pa.table({"id": [10, 11], "note": ["a", "b"]}, other))
+        assert (result.first_offset, result.row_count) == (0, 2)
+        # Rows of the old schema are refused locally, with nothing sent.
+        with pytest.raises(SchemaMismatch):
+            publisher.append(frame(20, 1))
+    converged(cluster, "ticks", 2)
+    assert table_ids(cluster, cluster.leader(), "ticks") == [10, 11]
