@@ -27,8 +27,9 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
    every send and every read event. Two followers never talk between elections, so their
    idle link tripped on the first vote request after a leader failure (which it dropped):
    every failover took two elections. Here the read timeout applies only to a link this
-   node has sent on within the timeout (a peer that stopped answering, e.g. SIGSTOPped),
-   and a link whose unsent bytes pass `RAFT_SEND_BUFFER_BYTES_MAX` is dropped at once:
+   node has sent on within the timeout and that has nothing waiting to be read (a peer
+   that stopped answering, e.g. SIGSTOPped), and a link whose unsent bytes pass
+   `RAFT_SEND_BUFFER_BYTES_MAX` is dropped at once:
    pysyncobj's send buffer is otherwise unbounded while a peer does not read.
 6. Peer authentication. pysyncobj unpickles whatever arrives on its port, so the port is
    bound to the configured address and every message must carry an AES-GMAC tag keyed with
