@@ -44,6 +44,7 @@ import pyarrow as pa
 
 from api_clients import buffer_format as fmt
 from raftstore.errors import CorruptionError, InvalidArgument, Overloaded
+from raftstore.storage.checkpoint import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +85,12 @@ class BufferStats:
     acknowledged_rows: int
     dropped_records: int  # By the byte limit, oldest first.
     dropped_rows: int
-    truncated_tails: int  # Corrupt tails cut off on reopen.
-    truncated_bytes: int
-    reopened_records: int
-    reopened_rows: int
-    segments: int
+    # The rest only a DurableBuffer has.
+    truncated_tails: int = 0  # Corrupt tails cut off on reopen.
+    truncated_bytes: int = 0
+    reopened_records: int = 0
+    reopened_rows: int = 0
+    segments: int = 0
     rejected_records: int = 0  # Moved to rejected/ by reject_head (this run and earlier ones).
     rejected_rows: int = 0
 
@@ -146,14 +148,6 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -216,6 +210,21 @@ class _Index:
             dropped.append(entry)
         self._advance()
         return dropped
+
+    def stats(self, next_sequence: int, **durable: int) -> BufferStats:
+        """The counters of this index; `durable` adds those only a DurableBuffer has."""
+        return BufferStats(
+            pending_records=self.pending_records,
+            pending_rows=self.pending_rows,
+            pending_bytes=self.pending_bytes,
+            committed_sequence=self.committed,
+            next_sequence=next_sequence,
+            acknowledged_records=self.acknowledged_records,
+            acknowledged_rows=self.acknowledged_rows,
+            dropped_records=self.dropped_records,
+            dropped_rows=self.dropped_rows,
+            **durable,
+        )
 
     def head(self) -> _Entry | None:
         for entry in self.entries:
@@ -690,17 +699,8 @@ class DurableBuffer:
 
     def stats(self) -> BufferStats:
         with self._lock:
-            index = self._index
-            return BufferStats(
-                pending_records=index.pending_records,
-                pending_rows=index.pending_rows,
-                pending_bytes=index.pending_bytes,
-                committed_sequence=index.committed,
-                next_sequence=self._next_sequence,
-                acknowledged_records=index.acknowledged_records,
-                acknowledged_rows=index.acknowledged_rows,
-                dropped_records=index.dropped_records,
-                dropped_rows=index.dropped_rows,
+            return self._index.stats(
+                self._next_sequence,
                 truncated_tails=self._truncated_tails,
                 truncated_bytes=self._truncated_bytes,
                 reopened_records=self._reopened_records,
@@ -817,23 +817,7 @@ class MemoryBuffer:
 
     def stats(self) -> BufferStats:
         with self._lock:
-            index = self._index
-            return BufferStats(
-                pending_records=index.pending_records,
-                pending_rows=index.pending_rows,
-                pending_bytes=index.pending_bytes,
-                committed_sequence=index.committed,
-                next_sequence=self._next_sequence,
-                acknowledged_records=index.acknowledged_records,
-                acknowledged_rows=index.acknowledged_rows,
-                dropped_records=0,
-                dropped_rows=0,
-                truncated_tails=0,
-                truncated_bytes=0,
-                reopened_records=0,
-                reopened_rows=0,
-                segments=0,
-            )
+            return self._index.stats(self._next_sequence)
 
     def close(self) -> None:
         with self._lock:

@@ -247,13 +247,7 @@ class Publisher:
             chunks = batches.encode_chunks(table, bytes_max=self._batch_bytes_max)
             pipeline = self._pipeline_started()
             futures = [pipeline.submit(chunk.payload, chunk.row_count) for chunk in chunks]
-        for future in futures:
-            future.add_done_callback(self._forget_schema_on_mismatch)
         return futures[0] if len(futures) == 1 else _gather(futures)
-
-    def _forget_schema_on_mismatch(self, future: Future[AppendResult]) -> None:
-        if isinstance(future.exception(), SchemaMismatch):
-            self._schema = None  # The table may have been re-created: fetch it again.
 
     def _pipeline_started(self) -> PublishPipeline:
         """The pipeline, started on first use (caller holds the lock)."""
@@ -294,13 +288,7 @@ class Publisher:
             producer_id=self._producer_id,
             sequence=sequence,
         )
-        try:
-            response = self._session.call(
-                "Publish", request, table=self._table, deadline_s=deadline_s
-            )
-        except SchemaMismatch:
-            self._schema = None  # The table may have been re-created: fetch it again next time.
-            raise
+        response = self._session.call("Publish", request, table=self._table, deadline_s=deadline_s)
         log.debug(
             "published table=%s sequence=%d rows=%d first_offset=%d",
             self._table,

@@ -1,6 +1,6 @@
 """A/B measurement of candidate write-path changes (bench/patches.py) before they are written.
 
-    python -m bench.experiment --configs baseline inflight=1 tcp-buffers \\
+    python -m bench.experiment --configs baseline inflight=1 tcp-recv \\
         [--cells 1:1 4:1 1:10000 4:10000] [--columns 11] [--duration 3] [--repeat 3]
 
 Each config is a comma-separated list of patches ("baseline" = none). For every repeat, every

@@ -75,13 +75,15 @@ class SteadyPublisher(threading.Thread):
     """Appends batch `n` (ids [n * batch, (n + 1) * batch)) every 1/rate s; a batch that is
     being retried delays the next ones (one publisher, in order)."""
 
-    def __init__(self, cluster: LocalCluster, rate: float, batch_rows: int) -> None:
+    def __init__(
+        self, cluster: LocalCluster, rate: float, batch_rows: int, table: str = TABLE
+    ) -> None:
         super().__init__(daemon=True)
         sites = [f"127.0.0.1:{node.port}" for node in cluster.nodes.values()]
         self.session = connect(
             "127.0.0.1", cluster.nodes["node1"].port, highAvailabilitySites=sites
         )
-        self.publisher = Publisher(self.session, TABLE, deadline_s=120.0)
+        self.publisher = Publisher(self.session, table, deadline_s=120.0)
         self.schema = common.schema_for(common.NARROW_COLUMNS)
         self.interval_s = 1.0 / rate
         self.batch_rows = batch_rows
@@ -108,6 +110,10 @@ class SteadyPublisher(threading.Thread):
             publish.acked_at = time.monotonic()
             self.published.append(publish)
             number += 1
+
+    @property
+    def rows_acked(self) -> int:
+        return len(self.published) * self.batch_rows
 
     def acked_after(self, moment: float) -> Publish | None:
         """The first publish acknowledged after `moment` (acks are in order: one thread)."""

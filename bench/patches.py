@@ -8,7 +8,6 @@ writes it. Each patch names the file and function it stands in for.
 
 from __future__ import annotations
 
-import socket
 import struct
 from collections.abc import Callable
 from typing import Any, Final
@@ -122,128 +121,6 @@ def light_validate() -> None:
         return reader.schema, batches
 
     state_machine._read_stream = read_stream
-
-
-_SCRATCH_BYTES: Final = 1 << 20
-
-
-@patch("tcp-buffers")
-def tcp_buffers() -> None:
-    """pysyncobj.tcp_connection.TcpConnection (wrapped from replication.py): the read buffer
-    is a bytearray filled by recv_into a reused scratch buffer (pysyncobj does `bytes +=
-    recv(4 MiB)`, which copies everything buffered so far on every recv, and allocates a
-    4 MiB bytes object per call), consumed with `del buffer[:n]`; the write buffer is a
-    bytearray sent through a memoryview at an offset (pysyncobj re-slices the remaining
-    bytes after every partial send)."""
-    import pysyncobj.tcp_connection as tcp  # noqa: TID251 (bench-only stand-in)
-
-    connection = tcp.TcpConnection
-    original_disconnect = connection.disconnect
-    original_connect = connection.connect
-
-    def reset(self: Any) -> None:
-        self._TcpConnection__readBuffer = bytearray()
-        self._TcpConnection__writeBuffer = bytearray()
-        self._bench_sent = 0
-
-    def disconnect(self: Any) -> None:
-        original_disconnect(self)
-        reset(self)
-
-    def connect(self: Any, host: str, port: int) -> bool:
-        result: bool = original_connect(self, host, port)
-        reset(self)
-        return result
-
-    def process_read(self: Any) -> bool:
-        sock = self._TcpConnection__socket
-        scratch = self.__dict__.get("_bench_scratch")
-        if scratch is None:
-            scratch = self._bench_scratch = memoryview(bytearray(_SCRATCH_BYTES))
-        try:
-            count = sock.recv_into(scratch)
-        except OSError as error:
-            if error.errno not in (socket.errno.EAGAIN, socket.errno.EWOULDBLOCK):
-                self.disconnect()
-            return False
-        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) or not count:
-            self.disconnect()
-            return False
-        buffer = self._TcpConnection__readBuffer
-        if type(buffer) is not bytearray:
-            buffer = self._TcpConnection__readBuffer = bytearray(buffer)
-        buffer += scratch[:count]
-        return True
-
-    def process_parse_message(self: Any) -> Any:
-        buffer = self._TcpConnection__readBuffer
-        if len(buffer) < 4:
-            return None
-        (length,) = struct.unpack_from("i", buffer, 0)
-        if len(buffer) - 4 < length:
-            return None
-        data = bytes(memoryview(buffer)[4 : 4 + length])
-        try:
-            if self.encryptor:
-                timestamp = self.encryptor.extract_timestamp(data)
-                assert timestamp >= self.recvLastTimestamp
-                self.recvLastTimestamp = timestamp
-                data = self.encryptor.decrypt(data)
-            message = tcp.pickle.loads(tcp.zlib.decompress(data))
-            if self.recvRandKey:
-                rand_key, message = message
-                assert rand_key == self.recvRandKey
-        except Exception:
-            self.disconnect()
-            return None
-        del buffer[: 4 + length]
-        return message
-
-    def send(self: Any, message: Any) -> None:
-        if self.sendRandKey:
-            message = (self.sendRandKey, message)
-        data = tcp.zlib.compress(tcp.pickle.dumps(message), 3)
-        if self.encryptor:
-            data = self.encryptor.encrypt_at_time(data, int(tcp.monotonicTime()))
-        buffer = self._TcpConnection__writeBuffer
-        if type(buffer) is not bytearray:
-            buffer = self._TcpConnection__writeBuffer = bytearray(buffer)
-            self._bench_sent = 0
-        buffer += struct.pack("i", len(data))
-        buffer += data
-        self._TcpConnection__trySendBuffer()
-
-    def process_send(self: Any) -> bool:
-        buffer = self._TcpConnection__writeBuffer
-        sent = self.__dict__.get("_bench_sent", 0)
-        if len(buffer) <= sent:
-            return False
-        try:
-            count = self._TcpConnection__socket.send(memoryview(buffer)[sent:])
-        except OSError as error:
-            if error.errno not in (socket.errno.EAGAIN, socket.errno.EWOULDBLOCK):
-                self.disconnect()
-            return False
-        if count <= 0:
-            if count < 0:
-                self.disconnect()
-            return False
-        sent += count
-        if sent >= len(buffer):
-            buffer.clear()  # the poller re-arms WRITE only while the buffer is non-empty
-            sent = 0
-        elif sent >= _SCRATCH_BYTES and sent * 2 >= len(buffer):
-            del buffer[:sent]  # bound the memory of what was sent already
-            sent = 0
-        self._bench_sent = sent
-        return True
-
-    connection.disconnect = disconnect
-    connection.connect = connect
-    connection._TcpConnection__processRead = process_read
-    connection._TcpConnection__processParseMessage = process_parse_message
-    connection._TcpConnection__processSend = process_send
-    connection.send = send
 
 
 def names() -> list[str]:

@@ -34,8 +34,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from api_clients import Publisher, connect
+from api_clients import connect
 from bench import common
+from bench.failover import SteadyPublisher
 from deploy.local_cluster import LocalCluster, wait_until
 from proto import hastream_pb2 as pb
 
@@ -60,39 +61,6 @@ class Outcome:
     received_in_order: bool = True
     replicas: dict[str, dict[str, int | bool]] = field(default_factory=dict)
     publisher_errors: list[str] = field(default_factory=list)
-
-
-class SteadyPublisher(threading.Thread):
-    """Batch n carries ids [n * batch, (n + 1) * batch); one thread, so acks are in order."""
-
-    def __init__(self, cluster: LocalCluster, rate: float, batch_rows: int) -> None:
-        super().__init__(daemon=True, name="soak-publisher")
-        sites = [f"127.0.0.1:{node.port}" for node in cluster.nodes.values()]
-        self.session = connect(
-            "127.0.0.1", cluster.nodes["node1"].port, highAvailabilitySites=sites
-        )
-        self.publisher = Publisher(self.session, TABLE, deadline_s=120.0)
-        self.schema = common.schema_for(common.NARROW_COLUMNS)
-        self.interval_s = batch_rows / rate
-        self.batch_rows = batch_rows
-        self.rows_acked = 0
-        self.errors: list[str] = []
-        self.stop_event = threading.Event()
-
-    def run(self) -> None:
-        next_at = time.monotonic()
-        number = 0
-        while not self.stop_event.is_set():
-            table = common.make_table(self.schema, self.batch_rows, number * self.batch_rows)
-            self.stop_event.wait(max(0.0, next_at - time.monotonic()))
-            next_at = max(next_at + self.interval_s, time.monotonic())
-            try:
-                self.publisher.append(table)
-            except Exception as error:  # the deadline passed: report it, never hide it
-                self.errors.append(f"batch {number}: {error!r}")
-                return
-            number += 1
-            self.rows_acked = number * self.batch_rows
 
 
 class OrderCheckingHandler:
@@ -150,7 +118,7 @@ def run(args: argparse.Namespace, outcome: Outcome) -> None:
             cache_limit=100_000,
             key_column="id",
         )
-        publisher = SteadyPublisher(cluster, args.rate, args.batch)
+        publisher = SteadyPublisher(cluster, args.rate / args.batch, args.batch, TABLE)
         handler = OrderCheckingHandler()
         sites = [f"127.0.0.1:{node.port}" for node in cluster.nodes.values()]
         session = connect("127.0.0.1", cluster.nodes["node1"].port, highAvailabilitySites=sites)

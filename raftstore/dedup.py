@@ -90,15 +90,33 @@ class KeyWindow:
         A row is dropped if its key is in the window or appeared earlier in the batch. The
         window is the one before the batch: it does not slide within the batch. Pure."""
         assert first_offset == self._offset_to, (first_offset, self._offset_to)
+        return pa.array(self._mask(_python_keys(keys)), type=pa.bool_())
+
+    def admit(self, keys: pa.Array | pa.ChunkedArray, first_offset: int) -> pa.BooleanArray | None:
+        """`filter`, then `add` of the kept rows' keys, converting the keys to Python once.
+        Returns the mask of the rows to keep, or None when all are kept: new keys, none
+        repeated (the common case, decided by set operations without a per-row loop)."""
+        assert first_offset == self._offset_to, (first_offset, self._offset_to)
+        values = _python_keys(keys)
+        if self._offsets.keys().isdisjoint(values) and len(set(values)) == len(values):
+            self._extend(values)
+            self._evict()
+            return None
+        mask = self._mask(values)
+        self._extend([key for key, keep in zip(values, mask, strict=True) if keep])
+        self._evict()
+        return pa.array(mask, type=pa.bool_())
+
+    def _mask(self, values: list[Hashable]) -> list[bool]:
         window = self._offsets
         seen: set[Hashable] = set()
         mask: list[bool] = []
-        for key in _python_keys(keys):
+        for key in values:
             keep = key not in window and key not in seen
             if keep:
                 seen.add(key)
             mask.append(keep)
-        return pa.array(mask, type=pa.bool_())
+        return mask
 
     def add(self, kept_keys: pa.Array | pa.ChunkedArray, first_offset: int) -> None:
         """Record the kept rows' keys at offsets first_offset, first_offset + 1, ...; then
@@ -121,14 +139,11 @@ class KeyWindow:
 
     def _extend(self, keys: list[Hashable]) -> None:
         offset = self._offset_to
-        offsets = self._offsets
-        for key in keys:
-            # A key already present (only after a rebuild with a larger window) moves to
-            # its latest row; eviction of the older row then leaves it in place.
-            offsets[key] = offset
-            offset += 1
+        # A key already present (only after a rebuild with a larger window) moves to its
+        # latest row; eviction of the older row then leaves it in place.
+        self._offsets.update(zip(keys, range(offset, offset + len(keys)), strict=True))
         self._keys.extend(keys)
-        self._offset_to = offset
+        self._offset_to = offset + len(keys)
 
     def _evict(self) -> None:
         offset_from_min = self._offset_to - self._window_rows

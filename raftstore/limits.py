@@ -27,6 +27,13 @@ RAFT_SNAPSHOT_CHUNK_BYTES: Final = 1 * MIB
 PUBLISH_QUEUE_MAX: Final = 10_000
 # Raft entries proposed but not yet applied, per group (the proposer waits beyond it).
 PROPOSALS_IN_FLIGHT_MAX: Final = 8
+# Unsent bytes queued for one Raft peer beyond which its link is dropped (and later
+# reconnected; the leader then resends from the follower's log end): pysyncobj's send buffer
+# is otherwise unbounded while a peer does not read. A healthy follower lags by at most the
+# entries in flight.
+RAFT_SEND_BUFFER_BYTES_MAX: Final = (
+    PROPOSALS_IN_FLIGHT_MAX * ENTRY_BYTES_MAX + RAFT_SOCKET_BUFFER_BYTES
+)
 # pysyncobj's own command queue, per group.
 RAFT_COMMAND_QUEUE_MAX: Final = 1_000
 

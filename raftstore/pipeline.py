@@ -25,8 +25,7 @@ control then holds the client back).
 
 Group commit: pipelined items go to the group's own batcher (`Group.submit_appends`), so
 they share Raft entries with unary publishes and fail with them when the node steps down
-(`Group.on_role_change` fails every uncommitted item, queued ones included). The responder
-also watches the group's epoch, so an answer never waits out its deadline on a follower.
+(`Group.on_role_change` fails every uncommitted item, queued ones included).
 """
 
 from __future__ import annotations
@@ -72,7 +71,6 @@ class _Pending:
     sequence: int
     size: int  # payload bytes
     group: Group | None
-    epoch: int  # the group's epoch when submitted: a change means a role change
     deadline: float  # time.monotonic() by which it must be committed
     answer: Answer | None  # None when `error` is set
     error: RaftStoreError | None  # refused before it was proposed
@@ -84,7 +82,6 @@ class _Target:
 
     group: Group
     meta: TableMeta
-    epoch: int
 
 
 class PublishStream:
@@ -159,7 +156,7 @@ class PublishStream:
                 "requests",
                 f"{len(requests)} in one message > {limits.PIPELINE_BATCH_REQUESTS_MAX}",
             )
-            return [_Pending(requests[0].sequence, 0, None, 0, deadline, None, error)]
+            return [_Pending(requests[0].sequence, 0, None, deadline, None, error)]
         targets: dict[str, _Target] = {}
         accepted: list[tuple[_Target, commands.AppendItem]] = []
         refused: _Pending | None = None
@@ -169,7 +166,7 @@ class PublishStream:
                 targets[request.table] = target
                 accepted.append((target, _item(request, target.meta)))
             except RaftStoreError as error:
-                refused = _Pending(request.sequence, 0, None, 0, deadline, None, error)
+                refused = _Pending(request.sequence, 0, None, deadline, None, error)
                 break
         pending = self._propose(accepted, deadline)
         if refused is not None and len(pending) == len(accepted):
@@ -179,8 +176,7 @@ class PublishStream:
     def _target(self, table: str) -> _Target:
         group = self._route(table)
         group.require_leader()
-        epoch = group.epoch
-        return _Target(group, group.table_view(table).meta, epoch)
+        return _Target(group, group.table_view(table).meta)
 
     def _propose(
         self, accepted: list[tuple[_Target, commands.AppendItem]], deadline: float
@@ -198,18 +194,10 @@ class PublishStream:
             try:
                 answers = target.group.submit_appends(items)
             except RaftStoreError as error:
-                pending.append(_Pending(items[0].sequence, 0, None, 0, deadline, None, error))
+                pending.append(_Pending(items[0].sequence, 0, None, deadline, None, error))
                 return pending
             pending += [
-                _Pending(
-                    item.sequence,
-                    len(item.payload),
-                    target.group,
-                    target.epoch,
-                    deadline,
-                    answer,
-                    None,
-                )
+                _Pending(item.sequence, len(item.payload), target.group, deadline, answer, None)
                 for item, answer in zip(items, answers, strict=True)
             ]
             start = end
@@ -286,9 +274,7 @@ class PublishStream:
                 pass
             except NotLeader as error:
                 raise _with_leader(error, group) from None
-            if group.epoch != pending.epoch and not group.replica.is_leader():
-                # Group.on_role_change fails the future too; this covers the window before.
-                raise LeadershipLost("this node stepped down before the entry committed")
+            # A step-down fails the answer itself (Group.on_role_change); nothing to watch.
             if not self._is_active():
                 raise LeadershipLost("the client went away")  # nobody reads this answer
 

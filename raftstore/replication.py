@@ -71,10 +71,6 @@ _REGULAR: Final = 0  # pysyncobj's _COMMAND_TYPE.REGULAR
 _TAG_REGULAR: Final = bytes([_REGULAR])
 _STATE_LEADER: Final = 2  # pysyncobj's _RAFT_STATE.LEADER
 _AUTH_SALT: Final = b"hastream-raft-peer-auth-v1"
-# Unsent bytes queued for one peer beyond which its link is dropped (and later reconnected;
-# the leader then resends from the follower's log end). Far above what a healthy follower
-# lags by: the leader has at most PROPOSALS_IN_FLIGHT_MAX entries outstanding.
-RAFT_SEND_BUFFER_BYTES_MAX: Final = 8 * limits.ENTRY_BYTES_MAX + limits.RAFT_SOCKET_BUFFER_BYTES
 
 ProposalCallback = Callable[[Any, RaftStoreError | None], None]
 
@@ -200,7 +196,7 @@ def _connection_send(self: Any, message: Any) -> None:
     _original_connection_send(self, message)  # its timeout check sees the previous send
     self._hastream_last_send = pysyncobj_tcp_connection.monotonicTime()
     unsent = self.getSendBufferSize()
-    if unsent > RAFT_SEND_BUFFER_BYTES_MAX:
+    if unsent > limits.RAFT_SEND_BUFFER_BYTES_MAX:
         log.warning("dropping raft link: %d unsent bytes, the peer is not reading", unsent)
         self.disconnect()
 

@@ -638,14 +638,11 @@ class GroupStateMachine:
         if window is None or key_column is None:
             return batch, 0
         assert not state.key_window_pending, f"key window of {state.meta.table} not rebuilt"
-        keys = batch.column(key_column)
-        mask = window.filter(keys, state.row_count)
+        mask = window.admit(batch.column(key_column), state.row_count)
+        if mask is None:
+            return batch, 0
         kept = mask.true_count
-        if kept < batch.num_rows:
-            batch = batch.filter(mask)
-            keys = batch.column(key_column)
-        window.add(keys, state.row_count)
-        return batch, len(mask) - kept
+        return batch.filter(mask), len(mask) - kept
 
     @staticmethod
     def _advance(state: _Table, lsn: int, rows: int) -> None:

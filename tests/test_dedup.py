@@ -177,6 +177,26 @@ def test_incremental_window_matches_model_and_rebuild(
     assert rebuilt.entries() == window.entries()
 
 
+@pytest.mark.unit
+@given(
+    window_rows=st.integers(1, 8),
+    batches=st.lists(st.lists(st.none() | st.integers(0, 12), max_size=6), max_size=12),
+)
+def test_admit_is_filter_then_add(window_rows: int, batches: list[list[int | None]]) -> None:
+    """`admit` (what the state machine calls) answers and learns as filter + add do."""
+    admitted, reference = KeyWindow(window_rows), KeyWindow(window_rows)
+    for batch in batches:
+        array = pa.array(batch, type=pa.int64())
+        mask = admitted.admit(array, admitted.offset_to)
+        kept = [True] * len(batch) if mask is None else mask.to_pylist()
+        assert kept == _keep(reference, batch)
+        assert admitted.entries() == reference.entries()
+        assert (admitted.offset_from, admitted.offset_to) == (
+            reference.offset_from,
+            reference.offset_to,
+        )
+
+
 # --- ProducerWindow --------------------------------------------------------------------
 
 P1, P2, P3 = (bytes([n]) * 16 for n in (1, 2, 3))

@@ -13,7 +13,7 @@ import pytest
 from pysyncobj.poller import PollPoller
 from pysyncobj.tcp_connection import CONNECTION_STATE, TcpConnection
 
-from raftstore import replication
+from raftstore import limits, replication
 from tests.harness import LocalCluster, wait_until
 
 TIMEOUT_S = 5.0
@@ -89,7 +89,7 @@ def test_send_buffer_past_the_cap_drops_the_link(
     link: Link, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cap = 1 << 20
-    monkeypatch.setattr(replication, "RAFT_SEND_BUFFER_BYTES_MAX", cap)
+    monkeypatch.setattr(limits, "RAFT_SEND_BUFFER_BYTES_MAX", cap)
     # The peer never reads: the kernel buffers fill, then pysyncobj's own buffer grows.
     chunk = b"x" * (256 << 10)
     for _ in range(400):
