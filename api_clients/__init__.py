@@ -8,25 +8,36 @@
     session.subscribe("ticks", handler, offset=-2, actionName="spark")
     session.read("ticks", 0, 1000)  # rows [0, 1000) as one pyarrow Table
 
-Errors are the server's own classes from `raftstore.errors`, re-exported here.
+Errors are the classes the nodes raise (`hastream.errors`, shared by both sides), rebuilt
+from the gRPC trailing metadata and re-exported here, plus the client's own: the transport
+errors of `api_clients.transport` (a failure without a typed error from the node),
+`PublishAborted`, `PipelineClosed` and `WriterStopped`.
 See docs/client.md for the delivery guarantees and the durable buffer.
 """
 
-from api_clients.admin import TableInfo
 from api_clients.buffer import BufferStats, DurableBuffer
 from api_clients.connection import Session, connect, parse_site
-from api_clients.pipeline import PublishAborted, PublishPipeline
-from api_clients.publisher import AppendResult, Publisher
+from api_clients.pipeline import PipelineClosed, PublishAborted, PublishPipeline
+from api_clients.publisher import Publisher
 from api_clients.retry import Backoff
 from api_clients.subscriber import Subscription
+from api_clients.transport import (
+    DeadlineExceeded,
+    RpcFailed,
+    SiteUnavailable,
+    StreamBroken,
+    StreamIdle,
+    TransportError,
+)
+from api_clients.types import AppendResult, TableInfo
 from api_clients.writer import (
     MultithreadedTableWriter,
     ThreadStatus,
     WriterStatus,
     WriterStopped,
 )
-from raftstore import errors
-from raftstore.errors import (
+from hastream import errors
+from hastream.errors import (
     BatchTooLarge,
     CorruptionError,
     EmptyBatch,
@@ -53,6 +64,7 @@ __all__ = [
     "BatchTooLarge",
     "BufferStats",
     "CorruptionError",
+    "DeadlineExceeded",
     "DurableBuffer",
     "EmptyBatch",
     "InvalidArgument",
@@ -62,14 +74,19 @@ __all__ = [
     "NotLeader",
     "OffsetOutOfRange",
     "Overloaded",
+    "PipelineClosed",
     "ProposalTimeout",
     "PublishAborted",
     "PublishPipeline",
     "Publisher",
     "RaftStoreError",
+    "RpcFailed",
     "SchemaMismatch",
     "SequenceGap",
     "Session",
+    "SiteUnavailable",
+    "StreamBroken",
+    "StreamIdle",
     "Subscription",
     "TableExists",
     "TableInfo",
@@ -77,6 +94,7 @@ __all__ = [
     "TableSubscribed",
     "ThreadStatus",
     "TopicNotFound",
+    "TransportError",
     "UnknownGroup",
     "WriterStatus",
     "WriterStopped",

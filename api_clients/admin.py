@@ -1,4 +1,4 @@
-"""Value types of the admin calls and their conversion from/to the wire messages.
+"""The admin calls' requests and answers: conversion from/to the wire messages.
 
 No I/O here: `connection.Session` makes the calls and uses these to build requests and
 read responses.
@@ -7,30 +7,18 @@ read responses.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+import re
+from typing import Any, Final
 
 import pyarrow as pa
 
+from api_clients.types import TableInfo
+from hastream import wire
+from hastream.errors import InvalidArgument
 from proto import hastream_pb2
-from raftstore.errors import InvalidArgument
 
-RETENTION_MINUTES_DEFAULT = 1440
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TableInfo:
-    """A stream table as the cluster describes it. Offsets: `earliest_offset` is the earliest
-    row still retained, `row_count` the offset the next appended row will get."""
-
-    table: str
-    raft_group: int  # >= 2 for an HA table; 0 for a non-HA table on one node.
-    schema: pa.Schema
-    cache_limit: int
-    key_column: str | None
-    retention_minutes: int
-    row_count: int
-    earliest_offset: int
+RETENTION_MINUTES_DEFAULT: Final = 1440
+_TABLE_NAME: Final = re.compile(wire.TABLE_NAME_PATTERN)
 
 
 def schema_to_ipc(schema: pa.Schema) -> bytes:
@@ -54,8 +42,16 @@ def create_table_request(
     retention_minutes: int,
 ) -> hastream_pb2.CreateTableRequest:
     """Checks the arguments a server would refuse anyway, so the mistake is named locally."""
+    if not _TABLE_NAME.fullmatch(table) or len(table.encode()) > wire.TABLE_NAME_BYTES_MAX:
+        raise InvalidArgument(
+            "tableName",
+            f"{table!r}: want 1..{wire.TABLE_NAME_BYTES_MAX} characters of [A-Za-z0-9_] "
+            "starting with a letter",
+        )
     if not isinstance(schema, pa.Schema):
         raise InvalidArgument("schema", f"need a pyarrow.Schema, got {type(schema).__name__}")
+    if not 0 < len(schema) <= wire.COLUMNS_MAX:
+        raise InvalidArgument("schema", f"{len(schema)} columns: want 1..{wire.COLUMNS_MAX}")
     if key_column is not None and key_column not in schema.names:
         raise InvalidArgument("keyColumn", f"{key_column!r} is not a column of {schema.names}")
     if cache_limit <= 0:

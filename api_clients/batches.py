@@ -20,8 +20,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from raftstore import limits
-from raftstore.errors import BatchTooLarge, EmptyBatch, InvalidArgument, SchemaMismatch
+from hastream import wire
+from hastream.errors import BatchTooLarge, EmptyBatch, InvalidArgument, SchemaMismatch
 
 # Arrow's conversion errors; anything in this tuple means "these values do not fit the schema".
 _CONVERSION_ERRORS = (
@@ -175,15 +175,17 @@ def encode(table: pa.Table) -> bytes:
 def encode_chunks(
     table: pa.Table,
     *,
-    bytes_max: int = limits.BATCH_BYTES_MAX,
-    rows_max: int = limits.BATCH_ROWS_MAX,
+    bytes_max: int = wire.BATCH_BYTES_MAX,
+    rows_max: int = wire.BATCH_ROWS_MAX,
 ) -> list[EncodedChunk]:
     """Cuts `table` into consecutive row ranges whose IPC payloads are each <= `bytes_max`
     and hold <= `rows_max` rows, in row order. Raises BatchTooLarge if one row alone
     exceeds `bytes_max`."""
     assert table.num_rows > 0, "conform() refuses empty tables"
-    if not 0 < bytes_max <= limits.BATCH_BYTES_MAX:
-        raise InvalidArgument("bytes_max", f"must be in (0, {limits.BATCH_BYTES_MAX}]")
+    if not 0 < bytes_max <= wire.BATCH_BYTES_MAX:
+        raise InvalidArgument("bytes_max", f"must be in (0, {wire.BATCH_BYTES_MAX}]")
+    if not 0 < rows_max <= wire.BATCH_ROWS_MAX:
+        raise InvalidArgument("rows_max", f"must be in (0, {wire.BATCH_ROWS_MAX}]")
     rows_per_chunk = min(rows_max, table.num_rows)
     if table.nbytes > bytes_max * _CHUNK_TARGET_FRACTION:
         estimate = int(table.num_rows * bytes_max * _CHUNK_TARGET_FRACTION / table.nbytes)

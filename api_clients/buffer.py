@@ -43,8 +43,9 @@ from typing import Final, Protocol
 import pyarrow as pa
 
 from api_clients import buffer_format as fmt
-from raftstore.errors import CorruptionError, InvalidArgument, Overloaded
-from raftstore.storage.checkpoint import fsync_dir
+from hastream import wire
+from hastream.errors import BatchTooLarge, CorruptionError, InvalidArgument, Overloaded
+from hastream.files import fsync_dir, write_all, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,6 @@ COMMIT_NAME: Final = "COMMIT"
 LOCK_NAME: Final = "LOCK"
 # Records the cluster refused for good, moved out of the queue by `reject_head`.
 REJECTED_DIR: Final = "rejected"
-_TMP_SUFFIX: Final = ".tmp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,25 +143,14 @@ class _Segment:
     last_sequence: int  # 0 while empty.
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so a crash leaves the old file or the new one: write a
-    tmp file, fsync it, rename it over `path`, fsync the directory."""
-    staging = path.with_name(path.name + _TMP_SUFFIX)
-    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(staging, path)
-    fsync_dir(path.parent)
+def check_request(payload: bytes, row_count: int) -> None:
+    """Refuses a record one publish request cannot carry: it would be refused for good."""
+    if not payload or row_count < 1:
+        raise InvalidArgument("record", f"{len(payload)} bytes, {row_count} rows: need both > 0")
+    if len(payload) > wire.BATCH_BYTES_MAX:
+        raise BatchTooLarge(len(payload), wire.BATCH_BYTES_MAX)
+    if row_count > wire.BATCH_ROWS_MAX:
+        raise BatchTooLarge(row_count, wire.BATCH_ROWS_MAX, "rows")
 
 
 class _Index:
@@ -500,7 +489,9 @@ class DurableBuffer:
 
     def append(self, payload: bytes, row_count: int) -> int:
         """Appends one record and returns its sequence once it is durable (fdatasync). May
-        drop the oldest records to stay within the byte limit."""
+        drop the oldest records to stay within the byte limit. Raises BatchTooLarge for a
+        payload or row count one publish request cannot carry."""
+        check_request(payload, row_count)
         with self._append_lock:
             with self._lock:
                 if self._closed:
@@ -516,7 +507,7 @@ class DurableBuffer:
             )
             segment = self._segment_for_append(sequence)
             position = self._segments[segment].size
-            _write_all(self._active_fd, record)
+            write_all(self._active_fd, record)
             os.fdatasync(self._active_fd)
             entry = _Entry(sequence, row_count, len(record), segment, position, _State.PENDING)
             with self._lock:
@@ -773,7 +764,9 @@ class MemoryBuffer:
             return True
 
     def append(self, payload: bytes, row_count: int) -> int:
-        """Queues one record. Raises Overloaded when full: call `wait_for_space` first."""
+        """Queues one record. Raises Overloaded when full: call `wait_for_space` first;
+        BatchTooLarge as `DurableBuffer.append`."""
+        check_request(payload, row_count)
         with self._lock:
             if self._closed:
                 raise RuntimeError("buffer is closed")

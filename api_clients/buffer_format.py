@@ -45,18 +45,23 @@ import zlib
 from dataclasses import dataclass
 from typing import Final
 
+from hastream import wire
+
 RECORD_MAGIC: Final = b"HSBR"
 COMMIT_MAGIC: Final = b"HSBC"
 META_MAGIC: Final = b"HSBM"
 VERSION: Final = 1
 PRODUCER_ID_BYTES: Final = 16
+assert PRODUCER_ID_BYTES == wire.PRODUCER_ID_BYTES, "records carry the wire's producer ids"
 
 _RECORD_HEADER: Final = struct.Struct("<4sBBHIIQ16sQ")  # everything before the crc
 _CRC: Final = struct.Struct("<I")
 RECORD_HEADER_BYTES: Final = _RECORD_HEADER.size + _CRC.size
 assert RECORD_HEADER_BYTES == 52, RECORD_HEADER_BYTES
-# A record's payload is one publish request's payload; anything bigger is not ours.
+# A record's payload is one publish request's payload; anything bigger is not ours. (The
+# buffers refuse a payload over the wire's BATCH_BYTES_MAX; the format allows room to grow.)
 PAYLOAD_BYTES_MAX: Final = 64 * 1024 * 1024
+assert PAYLOAD_BYTES_MAX >= wire.BATCH_BYTES_MAX
 
 _COMMIT_BODY: Final = struct.Struct("<4sB3xQ16s")
 COMMIT_BYTES: Final = _COMMIT_BODY.size + _CRC.size

@@ -5,6 +5,12 @@ names the leader sends it there; a NotLeader without a leader (an election is ru
 unreachable node, or any other retryable error sends it to the next site after a capped,
 jittered backoff. Everything is bounded by a deadline (default 30 s, longer than an election).
 The leader that answered for a table or group is remembered, so later calls go straight there.
+Where each retry goes is decided by `call_policy.decide` (pure); `call` only performs it.
+Failures arrive typed from `transport` (the gRPC boundary). An idempotent call whose attempt
+goes unanswered past `hedge_delay_s` asks the other sites who leads, and once they agree on
+another leader it is ended and resent there (`call_policy.hedge`; the session's
+`hedge.AttemptMonitor` closes the silent site's channel): a leader cut off by the network
+or frozen is left about as fast as a killed one.
 
 Threads: a Session is shared by publishers and subscribers on any number of threads. The
 site list, channels and leader memory are guarded by one lock that is never held across
@@ -13,40 +19,36 @@ a network call. gRPC channels are thread-safe.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import grpc
 import pyarrow as pa
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from api_clients import admin
+from api_clients import admin, transport
+from api_clients.call_policy import Action, AttemptState, decide, hedgeable, leader_named
+from api_clients.hedge import HEDGE_DELAY_S_DEFAULT, AttemptMonitor, LeaderWatch
+from api_clients.reader import read_range
 from api_clients.retry import BACKOFF_INITIAL_S, BACKOFF_MAX_S, Backoff
+from api_clients.subscriber import Subscription
+from api_clients.types import Filter, Handler, TableInfo
+from hastream import wire
+from hastream.errors import InvalidArgument, RaftStoreError
+from hastream.model import LOCAL_GROUP, topic_name
 from proto import hastream_pb2, hastream_pb2_grpc
-from raftstore import errors, limits
-from raftstore.errors import (
-    InvalidArgument,
-    LeadershipLost,
-    NodeUnavailable,
-    NotLeader,
-    Overloaded,
-    ProposalTimeout,
-    RaftStoreError,
-    TableNotFound,
-)
-from raftstore.model import LOCAL_GROUP
-
-if TYPE_CHECKING:
-    from api_clients.subscriber import Filter, Handler, Subscription
 
 log = logging.getLogger(__name__)
 
 DEADLINE_S_DEFAULT: Final = 30.0
-# One attempt may wait for a proposal to commit (limits.PROPOSAL_TIMEOUT_S) and then some.
-ATTEMPT_TIMEOUT_S_DEFAULT: Final = limits.PROPOSAL_TIMEOUT_S + 5.0
+# One attempt may wait for a proposal to commit (wire.PROPOSAL_TIMEOUT_S) and then some.
+ATTEMPT_TIMEOUT_S_DEFAULT: Final = wire.PROPOSAL_TIMEOUT_S + 5.0
 SITES_MAX: Final = 64
+HEALTH_TIMEOUT_S: Final = 5.0
 
 # Calls only a group's leader answers: the site that answers one of these for a table is
 # remembered as the table's (and its group's) leader. Other calls may be served by any node.
@@ -58,17 +60,13 @@ LEADER_METHODS: Final = frozenset(
         "HaStreamTable",
         "DropStreamTable",
         "RemoveTopicOffset",
+        "TransferLeadership",
     }
 )
 
-# Transport failures after which another site may answer.
-_RETRYABLE_CODES: Final = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-)
-
 CHANNEL_OPTIONS: Final[tuple[tuple[str, int], ...]] = (
-    ("grpc.max_send_message_length", limits.GRPC_MESSAGE_BYTES_MAX),
-    ("grpc.max_receive_message_length", limits.GRPC_MESSAGE_BYTES_MAX),
+    ("grpc.max_send_message_length", wire.GRPC_MESSAGE_BYTES_MAX),
+    ("grpc.max_receive_message_length", wire.GRPC_MESSAGE_BYTES_MAX),
     # gRPC's own reconnect backoff grows to 120 s by default; a node that comes back after a
     # restart must be reachable again within our retry budget.
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -100,35 +98,15 @@ def parse_site(text: str) -> str:
     return f"{parts[0]}:{port}"
 
 
-def _outcome_unknown(error: RaftStoreError) -> bool:
-    """Whether the failed attempt may have been applied anyway."""
-    if isinstance(error, ProposalTimeout | LeadershipLost):
-        return True
-    return isinstance(error, NodeUnavailable) and "DEADLINE_EXCEEDED" in error.reason
-
-
-def rebuild_error(rpc_error: grpc.RpcError, site: str) -> RaftStoreError | None:
-    """The typed error the server raised, or NodeUnavailable for a transport failure after
-    which another site may answer; None for any other gRPC failure (a bug or a refusal that
-    the caller should see as it is)."""
-    call: Any = rpc_error  # Raised RpcErrors are also grpc.Call objects.
-    metadata = call.trailing_metadata() if hasattr(call, "trailing_metadata") else None
-    typed = errors.from_wire(
-        {key: value for key, value in metadata or () if isinstance(value, str)}
-    )
-    if typed is not None:
-        return typed
-    code = call.code() if hasattr(call, "code") else None
-    if code is not None and code in _RETRYABLE_CODES:
-        details = call.details() if hasattr(call, "details") else ""
-        return NodeUnavailable(f"{site}: {code.name}: {details}")
-    return None
-
-
 class Session:
     """A connection to the cluster through any of `sites` (`host:port[:alias]` strings).
 
     `timeout_s` bounds one attempt; `deadline_s` bounds a whole call with its retries.
+    `hedge_delay_s`: how long an attempt of an idempotent call (or a publish stream, or a
+    subscription that hears nothing) waits before the other sites are asked who leads, to
+    leave a silent leader once they agree on another (None: never; see `call_policy`).
+    Keep it below the cluster's election timeout: the followers name the new leader only
+    after an election anyway, and asking earlier costs a few cheap calls.
     `userid`/`password` are accepted for DolphinDB compatibility; the cluster has no
     authentication yet, so they are not sent (and the password is not kept).
     """
@@ -144,6 +122,7 @@ class Session:
         backoff_initial_s: float = BACKOFF_INITIAL_S,
         backoff_max_s: float = BACKOFF_MAX_S,
         channel_options: Iterable[tuple[str, Any]] = (),
+        hedge_delay_s: float | None = HEDGE_DELAY_S_DEFAULT,
     ) -> None:
         del password  # Never kept: see the class docstring.
         parsed = list(dict.fromkeys(parse_site(site) for site in sites))
@@ -153,11 +132,19 @@ class Session:
             raise InvalidArgument("sites", f"{len(parsed)} sites > {SITES_MAX}")
         if timeout_s <= 0 or deadline_s <= 0:
             raise InvalidArgument("timeout_s/deadline_s", "must be > 0")
+        if hedge_delay_s is not None and hedge_delay_s <= 0:
+            raise InvalidArgument("hedge_delay_s", f"must be > 0 or None, got {hedge_delay_s}")
+        if not 0 < backoff_initial_s <= backoff_max_s:
+            raise InvalidArgument(
+                "backoff_initial_s/backoff_max_s",
+                f"need 0 < initial <= max, got {backoff_initial_s} and {backoff_max_s}",
+            )
         self.userid = userid
         self._timeout_s = timeout_s
         self._deadline_s = deadline_s
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
+        self._hedge_delay_s = hedge_delay_s
         self._channel_options = (*CHANNEL_OPTIONS, *channel_options)
         self._lock = threading.Lock()
         self._sites: list[str] = parsed
@@ -169,6 +156,9 @@ class Session:
         self._preferred: str = parsed[0]
         self._subscriptions: dict[str, Subscription] = {}
         self._closed = False
+        self._monitor: AttemptMonitor | None = None
+        if hedge_delay_s is not None:
+            self._monitor = AttemptMonitor(self, hedge_delay_s, self._drop_channel)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -179,6 +169,8 @@ class Session:
             subscriptions = list(self._subscriptions.values())
         for subscription in subscriptions:
             subscription.stop()
+        if self._monitor is not None:
+            self._monitor.close()
         with self._lock:
             self._closed = True
             channels = list(self._channels.values())
@@ -233,21 +225,14 @@ class Session:
                 return self._sites[0]
             return self._sites[(self._sites.index(site) + 1) % len(self._sites)]
 
-    def _next_site_except(self, site: str, skip: set[str]) -> str:
-        """The first site after `site` (wrapping around) that is not in `skip`."""
-        candidate = site
-        for _ in range(len(self.sites) + 1):
-            candidate = self.next_site(candidate)
-            if candidate not in skip:
-                return candidate
-        return self.next_site(site)
-
     def redirect_target(self, error: RaftStoreError, site: str) -> str | None:
-        """For a NotLeader that names another node: that node's `host:port`, added to the
-        site list if new. None when there is no usable hint."""
-        if not isinstance(error, NotLeader) or error.leader is None:
+        """For a NotLeader that names another node (or an `Unresponsive` attempt, with the
+        leader the other sites agreed on): that node's `host:port`, added to the site list
+        if new. None when there is no usable hint."""
+        leader = leader_named(error)  # NotLeader's, or the leader a silent site was left for
+        if leader is None:
             return None
-        target = self.learn_site(error.leader)
+        target = self.learn_site(leader)
         if target == site:
             return None  # The node names itself while it is not (yet) leader: an election.
         return target
@@ -282,6 +267,27 @@ class Session:
     def remember_table_group(self, table: str, group: int) -> None:
         with self._lock:
             self._table_groups[table] = group
+
+    def table_group(self, table: str) -> int | None:
+        """The raft group of `table`, if this session has learned it."""
+        with self._lock:
+            return self._table_groups.get(table)
+
+    def leader_watch(
+        self,
+        site: str,
+        *,
+        table: str | None = None,
+        group: int | None = None,
+        delay_s: float | None = None,
+    ) -> LeaderWatch | None:
+        """A watch over one attempt on `site` that tells when to leave it for the leader the
+        other sites agree on (see `hedge.LeaderWatch`), asking after `hedge_delay_s` (or
+        `delay_s` if longer). None when this session does not hedge."""
+        if self._hedge_delay_s is None or (table is None and group is None):
+            return None
+        delay = self._hedge_delay_s if delay_s is None else max(delay_s, self._hedge_delay_s)
+        return LeaderWatch(self, site, table=table, group=group, delay_s=delay)
 
     def forget_leader(self, site: str, *, table: str | None, group: int | None) -> None:
         """Stop routing the table (and its group) to `site`, after it failed or refused."""
@@ -324,8 +330,9 @@ class Session:
         is resent on every retry (so a publish keeps its idempotency token).
 
         Raises the server's typed error at once unless it is retryable; when the deadline
-        passes, raises the last error seen (NodeUnavailable for transport failures). Other
-        gRPC failures are raised as the original grpc.RpcError.
+        passes, raises the last error seen. Failures without a typed error from the node are
+        raised as the client's transport errors (`api_clients.transport`: SiteUnavailable,
+        DeadlineExceeded, RpcFailed). Where each retry goes: `api_clients.call_policy`.
 
         TableNotFound is only believed once every known site said so: a follower that has
         not applied the table's creation yet answers it (for any call, even Publish) before
@@ -335,59 +342,54 @@ class Session:
         returned.
         """
         backoff = self.new_backoff(deadline_s)
+        pinned = site is not None
         target = parse_site(site) if site is not None else self.route(table=table, group=group)
-        redirected = False
-        # A leader hint that could not be reached in this call (e.g. a container host name
-        # that does not resolve here) is not followed again: the call goes on with the site
-        # after the one that redirected to it, so every listed site still gets its turn.
-        hint_origin: str | None = None
-        unreachable_hints: set[str] = set()
-        not_found: set[str] = set()  # Sites that answered TableNotFound to this call.
-        outcome_unknown = False  # An attempt failed after the request may have been applied.
-        while True:  # Bounded: every retry path takes a wait from `backoff` or a new site.
+        memory = AttemptState(
+            target=target,
+            sites=(),
+            time_left=True,
+            pinned=pinned,
+            table_lookup=table is not None and not pinned,
+            gone_ok=gone_after_unknown_ok,
+        )
+        hedged = hedgeable(
+            method_name,
+            pinned=pinned,
+            routed=table is not None or group is not None,
+            with_producer=bool(getattr(request, "producer_id", b"")),
+        )
+        while True:  # Bounded: see call_policy (every retry waits, or moves on, at most once).
             timeout_s = min(self._timeout_s, backoff.remaining_s())
             try:
-                response = getattr(self.stub(target), method_name)(request, timeout=timeout_s)
-            except grpc.RpcError as rpc_error:
-                error = rebuild_error(rpc_error, target)
-                if error is None:
-                    raise
-                if isinstance(error, TableNotFound) and gone_after_unknown_ok and outcome_unknown:
+                response = self._attempt(
+                    method_name, request, target, timeout_s, hedged, table=table, group=group
+                )
+            except RaftStoreError as error:
+                hint = None if pinned else self.redirect_target(error, target)
+                decision = decide(
+                    dataclasses.replace(
+                        memory,
+                        target=target,
+                        sites=tuple(self.sites),
+                        time_left=backoff.remaining_s() > 0,
+                        hint=hint,
+                    ),
+                    error,
+                )
+                log.debug(
+                    "call failed method=%s site=%s error=%s next=%s",
+                    method_name,
+                    target,
+                    error,
+                    decision.action.value,
+                )
+                if decision.forget_leader:
+                    self.forget_leader(target, table=table, group=group)
+                if decision.action is Action.DONE:
                     return None
-                if isinstance(error, TableNotFound) and table is not None and site is None:
-                    not_found.add(target)
-                    untried = [known for known in self.sites if known not in not_found]
-                    if untried and backoff.remaining_s() > 0:
-                        log.debug("table not found site=%s, asking site=%s", target, untried[0])
-                        self.forget_leader(target, table=table, group=group)
-                        target = untried[0]
-                        continue
-                if not error.retryable:
+                if decision.target is None or (decision.backoff and not backoff.wait()):
                     raise error from None
-                log.debug("call failed method=%s site=%s error=%s", method_name, target, error)
-                outcome_unknown |= _outcome_unknown(error)
-                resume_after: str | None = None
-                if hint_origin is not None and isinstance(error, NodeUnavailable):
-                    unreachable_hints.add(target)  # `target` was a hint and is unreachable
-                    resume_after = hint_origin
-                hint_origin = None
-                hint = self.redirect_target(error, target) if site is None else None
-                if hint in unreachable_hints:
-                    hint = None
-                self.forget_leader(target, table=table, group=group)
-                if hint is not None and not redirected and backoff.remaining_s() > 0:
-                    redirected = True  # The first redirect goes at once; later ones back off.
-                    hint_origin, target = target, hint
-                    continue
-                if not backoff.wait():
-                    raise error from None
-                if resume_after is not None:
-                    target = self._next_site_except(resume_after, unreachable_hints)
-                    continue
-                next_target = self._after_failure(target, error, hint=hint, pinned=site is not None)
-                if next_target == hint:
-                    hint_origin = target
-                target = next_target
+                memory, target = decision.state, decision.target
             else:
                 if method_name in LEADER_METHODS:
                     self.remember_leader(target, table=table, group=group)
@@ -395,20 +397,50 @@ class Session:
                     self._remember_alive(target)
                 return response
 
-    def _after_failure(
-        self, site: str, error: RaftStoreError, *, hint: str | None, pinned: bool
-    ) -> str:
-        if pinned or isinstance(error, Overloaded):
-            return site  # The leader is busy, not gone: another site would only redirect.
-        return hint if hint is not None else self.next_site(site)
+    def _attempt(
+        self,
+        method_name: str,
+        request: Any,
+        target: str,
+        timeout_s: float,
+        hedged: bool,
+        *,
+        table: str | None = None,
+        group: int | None = None,
+    ) -> Any:
+        """One attempt of a unary call on `target`. A hedged one is watched by the session's
+        monitor: once the other sites agree that another node leads, the silent site's
+        channel is closed and the attempt raises `Unresponsive`."""
+        if not hedged or self._monitor is None:
+            return transport.unary(self.stub(target), method_name, request, target, timeout_s)
+        ticket = self._monitor.begin(target, table=table, group=group)
+        try:
+            return transport.unary(self.stub(target), method_name, request, target, timeout_s)
+        except RaftStoreError:
+            if ticket.moved is not None:
+                raise ticket.moved from None
+            raise
+        finally:
+            self._monitor.end(ticket)
+
+    def _drop_channel(self, site: str) -> None:
+        """Closes `site`'s channel (every call in flight on it fails CANCELLED) and forgets
+        it: the next use opens a fresh one. The monitor's thread, leaving a silent site."""
+        with self._lock:
+            channel = self._channels.pop(site, None)
+            self._stubs.pop(site, None)
+        if channel is not None:
+            log.info("closing the channel of a silent site site=%s", site)
+            channel.close()
 
     def open_stream(
         self, site: str, method_name: str, request: Any, *, timeout_s: float | None = None
-    ) -> Any:
-        """Starts a server-streaming RPC on `site`, with no deadline unless `timeout_s` (a
-        subscription is long-lived). The returned object iterates the responses and can be
-        `cancel()`led."""
-        return getattr(self.stub(site), method_name)(request, timeout=timeout_s)
+    ) -> transport.Stream:
+        """Starts a streaming RPC on `site`, with no deadline unless `timeout_s` (a
+        subscription is long-lived); `request` is a message, or an iterator of messages for
+        a bidirectional call. Iterating the stream yields the responses and raises a failure
+        typed (see `api_clients.transport`); `cancel()` ends it."""
+        return transport.open_stream(self.stub(site), method_name, request, site, timeout_s)
 
     # -- admin calls (DolphinDB names) -----------------------------------------------
 
@@ -420,7 +452,7 @@ class Session:
         cacheLimit: int,
         keyColumn: str | None = None,
         retentionMinutes: int = admin.RETENTION_MINUTES_DEFAULT,
-    ) -> admin.TableInfo:
+    ) -> TableInfo:
         """Creates an HA stream table on every replica of Raft group `raftGroup` (>= 2)."""
         if raftGroup < 2:
             raise InvalidArgument("raftGroup", f"HA tables need a raft group >= 2, got {raftGroup}")
@@ -442,7 +474,7 @@ class Session:
         cacheLimit: int,
         keyColumn: str | None = None,
         retentionMinutes: int = admin.RETENTION_MINUTES_DEFAULT,
-    ) -> admin.TableInfo:
+    ) -> TableInfo:
         """Creates a non-HA stream table on the node this session is connected to (the first
         site, or the one that answered last); later calls for it go to that node."""
         request = admin.create_table_request(
@@ -467,13 +499,14 @@ class Session:
             self._table_leaders.pop(tableName, None)
             self._table_groups.pop(tableName, None)
 
-    def getTableInfo(self, tableName: str) -> admin.TableInfo:
+    def getTableInfo(self, tableName: str, *, deadline_s: float | None = None) -> TableInfo:
         """The table as the cluster describes it (any node answers; see `call` for a
         follower that does not know the table yet)."""
         request = hastream_pb2.TableRequest(table=tableName)
-        return self._table_info(self.call("GetTableInfo", request, table=tableName))
+        response = self.call("GetTableInfo", request, table=tableName, deadline_s=deadline_s)
+        return self._table_info(response)
 
-    def _table_info(self, message: hastream_pb2.TableInfo) -> admin.TableInfo:
+    def _table_info(self, message: hastream_pb2.TableInfo) -> TableInfo:
         info = admin.table_info_from_proto(message)
         self.remember_table_group(info.table, info.raft_group)
         return info
@@ -486,6 +519,32 @@ class Session:
             if learned is not None:
                 with self._lock:
                     self._group_leaders[groupId] = learned
+        return str(response.leader)
+
+    def transferLeadership(
+        self, groupId: int, to: str | None = None, *, timeout_s: float | None = None
+    ) -> str:
+        """Hands Raft group `groupId`'s leadership to node `to` (an alias; None: any
+        follower that holds every entry) and returns the new leader as `host:port:alias`.
+
+        The leader stops taking writes (they are refused and retried by the clients, at the
+        new leader), waits until the target holds every entry, then tells it to take over
+        (Raft's TimeoutNow): the pause is a round trip and an election, not a timeout.
+        `timeout_s` bounds the leader's attempt (default `wire.TRANSFER_TIMEOUT_S_DEFAULT`).
+        Raises TransferFailed when the target did not take over in time (the old leader
+        takes writes again), InvalidArgument for a node that is not a member."""
+        timeout = wire.TRANSFER_TIMEOUT_S_DEFAULT if timeout_s is None else timeout_s
+        if not 0 < timeout <= min(wire.TRANSFER_TIMEOUT_S_MAX, self._timeout_s - 1.0):
+            limit = min(wire.TRANSFER_TIMEOUT_S_MAX, self._timeout_s - 1.0)
+            raise InvalidArgument("timeout_s", f"must be in (0, {limit}] seconds")
+        request = hastream_pb2.TransferLeadershipRequest(
+            raft_group=groupId, to_node=to or "", timeout_s=timeout
+        )
+        response = self.call("TransferLeadership", request, group=groupId)
+        learned = self.learn_site(response.leader) if response.leader else None
+        if learned is not None:
+            with self._lock:
+                self._group_leaders[groupId] = learned
         return str(response.leader)
 
     def getStreamingRaftGroups(self) -> list[dict[str, Any]]:
@@ -504,6 +563,17 @@ class Session:
         response = self.call("GetTopicProcessedOffset", request, table=admin.topic_table(topic))
         return int(response.offset)
 
+    def commit_offset(
+        self, tableName: str, actionName: str, offset: int, *, deadline_s: float | None = None
+    ) -> None:
+        """Persists `offset`, the last processed row, as topic `tableName/actionName`'s
+        processed offset (through Raft, at the table's leader). Raises the typed errors of
+        `call`; `deadline_s` bounds it (default: the session's deadline)."""
+        request = hastream_pb2.CommitOffsetRequest(
+            table=tableName, action_name=actionName, offset=offset
+        )
+        self.call("CommitOffset", request, table=tableName, deadline_s=deadline_s)
+
     def removeTopicOffset(self, topic: str) -> None:
         request = hastream_pb2.TopicRequest(topic=topic)
         self.call("RemoveTopicOffset", request, table=admin.topic_table(topic))
@@ -511,6 +581,23 @@ class Session:
     def getNodeStatus(self, site: str | None = None) -> dict[str, Any]:
         """The status document of one node: `site` (`host:port[:alias]`), or any site."""
         return admin.json_document(self.call("GetNodeStatus", hastream_pb2.Empty(), site=site))
+
+    def checkHealth(self, site: str, service: str = "") -> str:
+        """The node's answer to the standard gRPC health check (grpc.health.v1) for
+        `service` ("" = the whole node): "SERVING" once it has replayed its log, is not in
+        doubt and knows every group's leader; "NOT_SERVING" before; "UNREACHABLE" when it
+        does not answer within HEALTH_TIMEOUT_S."""
+        target = parse_site(site)
+        self.stub(target)  # creates the channel (and refuses a closed session)
+        with self._lock:
+            channel = self._channels[target]
+        request = health_pb2.HealthCheckRequest(service=service)
+        try:
+            timeout_s = min(self._timeout_s, HEALTH_TIMEOUT_S)
+            reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout_s)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
     def read(
         self,
@@ -522,8 +609,6 @@ class Session:
     ) -> pa.Table:
         """The rows `[offsetFrom, offsetTo)` of a table as one pyarrow Table (`offsetTo=-1`:
         up to the end). Complete or raising; see `api_clients.reader.read_range`."""
-        from api_clients.reader import read_range  # Import cycle: it types Session.
-
         return read_range(self, tableName, offsetFrom, offsetTo, deadline_s=deadline_s)
 
     # -- subscriptions ---------------------------------------------------------------
@@ -543,9 +628,7 @@ class Session:
     ) -> Subscription:
         """Starts a background subscription to topic `tableName/actionName`; see
         `api_clients.subscriber.Subscription` for the delivery contract."""
-        from api_clients.subscriber import Subscription  # Import cycle: it types Session.
-
-        topic = f"{tableName}/{actionName}"
+        topic = topic_name(tableName, actionName)
         subscription = Subscription(
             self,
             tableName,
@@ -571,7 +654,7 @@ class Session:
 
     def unsubscribe(self, tableName: str, actionName: str = "default") -> None:
         """Stops the subscription to `tableName/actionName` (committing its offset)."""
-        topic = f"{tableName}/{actionName}"
+        topic = topic_name(tableName, actionName)
         with self._lock:
             subscription = self._subscriptions.get(topic)
         if subscription is None:

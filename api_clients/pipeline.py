@@ -14,6 +14,13 @@ instead of landing before the failed one's resend: rows land in request order, o
 The server can only detect a gap for a producer it knows, so until this pipeline's first
 request is acknowledged, only one request is in flight.
 
+A silent leader (cut off by the network, frozen) answers nothing and resets nothing: a
+watchdog thread measures how long the stream has had requests out and no acknowledgement,
+and past the session's hedge delay asks the other sites who leads (`hedge.LeaderWatch`);
+once they agree on another leader it cancels the stream, which then fails as
+`Unresponsive` and reopens there at once, resending as above. HTTP/2 keepalive stays the
+backstop when they cannot say.
+
 Failure: when a request fails with a non-retryable error, or retryable errors go on past the
 Session's deadline (counted from the last progress), that request's future raises the error
 and every later unacknowledged request's future raises `PublishAborted` (none of them was
@@ -23,7 +30,8 @@ nothing sent later can be mistaken for, or blocked by, the failed requests.
 
 Threads: `submit`, `flush`, `close` from any thread (one lock). A driver thread owns the
 stream (opens it, reads the answers, settles the futures, reconnects); gRPC's own thread
-pulls the outgoing messages from `_outgoing`. Futures are completed on the driver thread.
+pulls the outgoing messages from `_outgoing`; the watchdog thread only cancels a stream
+left for another leader. Futures are completed on the driver thread.
 """
 
 from __future__ import annotations
@@ -36,31 +44,36 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-import grpc
-
-from api_clients.connection import rebuild_error
+from api_clients.hedge import LeaderWatch
+from api_clients.retry import Backoff
+from api_clients.transport import Stream, StreamBroken, Unresponsive
+from api_clients.types import AppendResult, StreamOpener
+from hastream import wire
+from hastream.errors import BatchTooLarge, InvalidArgument, RaftStoreError, TableNotFound
 from proto import hastream_pb2
-from raftstore import limits
-from raftstore.errors import (
-    InvalidArgument,
-    NodeUnavailable,
-    RaftStoreError,
-    TableNotFound,
-)
-
-if TYPE_CHECKING:
-    from api_clients.connection import Session
-    from api_clients.publisher import AppendResult
-    from api_clients.retry import Backoff
 
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT_DEFAULT: Final = 64
-PRODUCER_ID_BYTES: Final = 16
 # How often waiting threads look at the pipeline's state again (they are also notified).
 _POLL_S: Final = 0.2
+# How often the watchdog looks at an attempt with nothing outstanding.
+_WATCH_IDLE_POLL_S: Final = 0.1
+
+
+class PipelineClosed(RaftStoreError):
+    """`close()` ended the pipeline while `pending` requests were still unacknowledged
+    after its timeout: their outcome is unknown."""
+
+    def __init__(self, table: str, pending: int) -> None:
+        self.table = table
+        self.pending = pending
+        super().__init__(f"the pipeline of table {table!r} closed with {pending} requests pending")
+
+    def fields(self) -> dict[str, Any]:
+        return {"table": self.table, "pending": self.pending}
 
 
 class PublishAborted(RaftStoreError):
@@ -94,6 +107,11 @@ class _Attempt:
     site: str
     sent: int = 0
     closed: bool = False
+    call: Stream | None = None
+    # Since when requests are out on it without an acknowledgement (the first send, or the
+    # last acknowledgement while more are out); None: nothing is out.
+    waiting_since: float | None = None
+    moved: Unresponsive | None = None  # the watchdog left it for another leader
 
 
 @dataclass(slots=True)
@@ -109,12 +127,13 @@ class _Retry:
 class PublishPipeline:
     """Pipelined publishing of already validated, encoded payloads to one table.
 
-    `submit` blocks while `max_in_flight` requests are unacknowledged. `producer_id`
-    and `first_sequence` start the producer (a random id by default)."""
+    `submit` blocks while `max_in_flight` requests (or PIPELINE_IN_FLIGHT_BYTES_MAX payload
+    bytes) are unacknowledged. `producer_id` and `first_sequence` start the producer (a
+    random id by default)."""
 
     def __init__(
         self,
-        session: Session,
+        session: StreamOpener,
         table: str,
         *,
         producer_id: bytes | None = None,
@@ -122,26 +141,29 @@ class PublishPipeline:
         max_in_flight: int = MAX_IN_FLIGHT_DEFAULT,
         deadline_s: float | None = None,
     ) -> None:
-        if not 1 <= max_in_flight <= limits.PIPELINE_IN_FLIGHT_MAX:
-            raise InvalidArgument(
-                "max_in_flight", f"must be in [1, {limits.PIPELINE_IN_FLIGHT_MAX}]"
-            )
-        if producer_id is not None and len(producer_id) != PRODUCER_ID_BYTES:
-            raise InvalidArgument("producer_id", f"must be {PRODUCER_ID_BYTES} bytes")
+        if not 1 <= max_in_flight <= wire.PIPELINE_IN_FLIGHT_MAX:
+            raise InvalidArgument("max_in_flight", f"must be in [1, {wire.PIPELINE_IN_FLIGHT_MAX}]")
+        if producer_id is not None and len(producer_id) != wire.PRODUCER_ID_BYTES:
+            raise InvalidArgument("producer_id", f"must be {wire.PRODUCER_ID_BYTES} bytes")
         if first_sequence < 1:
             raise InvalidArgument("first_sequence", f"must be >= 1, got {first_sequence}")
+        if deadline_s is not None and deadline_s <= 0:
+            raise InvalidArgument("deadline_s", f"must be > 0, got {deadline_s}")
         self._session = session
         self._table = table
         self._max_in_flight = max_in_flight
         self._deadline_s = session.deadline_s if deadline_s is None else deadline_s
         self._condition = threading.Condition()
-        self._producer_id = producer_id or secrets.token_bytes(PRODUCER_ID_BYTES)
+        self._producer_id = producer_id or secrets.token_bytes(wire.PRODUCER_ID_BYTES)
         self._next_sequence = first_sequence
         self._producer_known = False  # the group acknowledged a request of this producer
         self._unacked: collections.deque[_Request] = collections.deque()
+        self._unacked_bytes = 0  # payload bytes of `_unacked`
         self._acked = 0  # requests acknowledged so far (progress, for the retry budget)
         self._closing = False
+        self._closed = threading.Event()  # set with _closing: wakes the watchdog
         self._driver: threading.Thread | None = None
+        self._current: _Attempt | None = None  # the attempt the watchdog watches
         self.resent_requests = 0
         self.reconnects = 0
         self.messages_sent = 0
@@ -179,26 +201,47 @@ class PublishPipeline:
 
     def submit(self, payload: bytes, row_count: int) -> Future[AppendResult]:
         """Queue one request (an Arrow IPC stream with the table's schema); its future
-        gives the committed offsets. Blocks while the window is full (at most until the
-        pending requests are acknowledged or fail at the deadline)."""
+        gives the committed offsets. Blocks while the window is full: `max_in_flight`
+        requests, or `PIPELINE_IN_FLIGHT_BYTES_MAX` payload bytes (the most a node reads
+        ahead on one stream), at most until the pending requests are acknowledged or fail
+        at the deadline. Raises BatchTooLarge for a request over the wire's bounds."""
+        if len(payload) > wire.BATCH_BYTES_MAX:
+            raise BatchTooLarge(len(payload), wire.BATCH_BYTES_MAX)
+        if not 1 <= row_count <= wire.BATCH_ROWS_MAX:
+            raise InvalidArgument("row_count", f"must be in [1, {wire.BATCH_ROWS_MAX}]")
         future: Future[AppendResult] = Future()
         with self._condition:
             if self._closing:
                 raise InvalidArgument("publisher", "the pipeline is closed")
-            while len(self._unacked) >= self._max_in_flight:  # bounded: acks or failure
+            while self._window_full(len(payload)):  # bounded: acks or failure
                 self._condition.wait(timeout=_POLL_S)
                 if self._closing:
                     raise InvalidArgument("publisher", "the pipeline is closed")
             sequence = self._next_sequence
             self._next_sequence += 1
             self._unacked.append(_Request(sequence, payload, row_count, future))
+            self._unacked_bytes += len(payload)
             self._condition.notify_all()
             if self._driver is None:
                 self._driver = threading.Thread(
                     target=self._drive, name=f"publish-pipeline-{self._table}", daemon=True
                 )
                 self._driver.start()
+                threading.Thread(
+                    target=self._watch_attempts,
+                    name=f"publish-watchdog-{self._table}",
+                    daemon=True,
+                ).start()
         return future
+
+    def _window_full(self, payload_bytes: int) -> bool:
+        """Whether one more request must wait (caller holds the lock). A request alone in
+        the window always fits."""
+        if len(self._unacked) >= self._max_in_flight:
+            return True
+        return bool(self._unacked) and (
+            self._unacked_bytes + payload_bytes > wire.PIPELINE_IN_FLIGHT_BYTES_MAX
+        )
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted request is acknowledged or failed; False if
@@ -213,15 +256,19 @@ class PublishPipeline:
 
     def close(self, timeout_s: float | None = None) -> None:
         """Flush, then end the stream and the driver thread. Requests still pending after
-        `timeout_s` fail (the first with NodeUnavailable, the others with PublishAborted)."""
+        `timeout_s` fail (the first with PipelineClosed, the others with PublishAborted)."""
         self.flush(timeout_s)
         with self._condition:
             self._closing = True
+            self._closed.set()
             self._condition.notify_all()
             driver = self._driver
         if driver is not None:
             driver.join(timeout=self._deadline_s)
-        self._fail_all(NodeUnavailable("the pipeline was closed"), renew=False)
+        with self._condition:
+            pending = len(self._unacked)
+        if pending:
+            self._fail_all(PipelineClosed(self._table, pending), renew=False)
 
     # -- driver thread -----------------------------------------------------------------
 
@@ -232,6 +279,7 @@ class PublishPipeline:
             log.exception("publish pipeline driver failed table=%s", self._table)
             with self._condition:
                 self._closing = True
+                self._closed.set()
             self._fail_all(error, renew=False)
             raise
 
@@ -255,26 +303,68 @@ class PublishPipeline:
             self.reconnects += 1
             site = self._after_failure(site, error, retry)
 
+    def _watch_attempts(self) -> None:  # the watchdog's loop: runs until close()
+        """Leaves an attempt whose requests go unanswered past the hedge delay once the
+        other sites agree on another leader: marks it `moved` and cancels its call."""
+        watched: _Attempt | None = None
+        watch: LeaderWatch | None = None
+        try:
+            while not self._closed.is_set():
+                with self._condition:
+                    attempt = self._current
+                    since = None if attempt is None or attempt.closed else attempt.waiting_since
+                if attempt is not watched:
+                    if watch is not None:
+                        watch.close()
+                    watched = attempt
+                    watch = (
+                        None
+                        if attempt is None
+                        else self._session.leader_watch(attempt.site, table=self._table)
+                    )
+                if watch is None or attempt is None or since is None:
+                    self._closed.wait(_WATCH_IDLE_POLL_S)
+                    continue
+                waited_s = time.monotonic() - since
+                leader = watch.check(waited_s)
+                if leader is None:
+                    self._closed.wait(watch.poll_s(waited_s))
+                    continue
+                with self._condition:
+                    attempt.moved = Unresponsive(attempt.site, waited_s, leader)
+                    call = attempt.call
+                if call is not None:
+                    call.cancel()
+                watch.close()
+                watch = None  # this attempt is done for; the next one gets its own watch
+        finally:
+            if watch is not None:
+                watch.close()
+
     def _wait_for_work(self) -> bool:
         with self._condition:
             while not self._unacked and not self._closing:
                 self._condition.wait(timeout=_POLL_S)
             return not self._closing
 
-    def _stream(self, attempt: _Attempt) -> BaseException | None:
+    def _stream(self, attempt: _Attempt) -> RaftStoreError | None:
         """Run one PublishStream call until it ends; the error that ended it, or None."""
         call = self._session.open_stream(attempt.site, "PublishStream", self._outgoing(attempt))
+        with self._condition:
+            attempt.call = call
+            self._current = attempt
         try:
             for acks in call:
                 self._acknowledge(attempt, acks.responses)
-        except grpc.RpcError as rpc_error:
-            return rebuild_error(rpc_error, attempt.site) or rpc_error
-        except RaftStoreError as error:  # a broken answer (_acknowledge)
-            call.cancel()
-            return error
+        except RaftStoreError as error:  # the call's typed failure, or a broken answer
+            call.cancel()  # ends the call after a broken answer; a no-op on a failed one
+            with self._condition:
+                return attempt.moved or error
         with self._condition:
+            if attempt.moved is not None:
+                return attempt.moved
             if self._unacked and not self._closing:
-                return NodeUnavailable(f"{attempt.site}: stream ended with requests unanswered")
+                return StreamBroken(attempt.site, "the stream ended with requests unanswered")
         return None
 
     def _outgoing(self, attempt: _Attempt) -> Iterator[hastream_pb2.PublishBatch]:
@@ -291,6 +381,8 @@ class PublishPipeline:
                     if self._closing and attempt.sent == len(self._unacked):
                         return
                     self._condition.wait(timeout=_POLL_S)
+                if attempt.sent == 0:
+                    attempt.waiting_since = time.monotonic()
                 attempt.sent += len(requests)
                 self.messages_sent += 1
                 now = time.perf_counter()
@@ -314,12 +406,12 @@ class PublishPipeline:
         known, one request at a time (see the module docstring)."""
         if not self._producer_known and attempt.sent > 0:
             return []
-        count_max = limits.PIPELINE_BATCH_REQUESTS_MAX if self._producer_known else 1
+        count_max = wire.PIPELINE_BATCH_REQUESTS_MAX if self._producer_known else 1
         requests: list[_Request] = []
         size = 0
         for index in range(attempt.sent, min(len(self._unacked), attempt.sent + count_max)):
             request = self._unacked[index]
-            if requests and size + len(request.payload) > limits.BATCH_BYTES_MAX:
+            if requests and size + len(request.payload) > wire.BATCH_BYTES_MAX:
                 break
             requests.append(request)
             size += len(request.payload)
@@ -331,46 +423,51 @@ class PublishPipeline:
         with self._condition:
             for response in responses:
                 if not self._unacked or attempt.sent == 0:
-                    raise NodeUnavailable(f"{attempt.site}: answer to a request not sent")
+                    raise StreamBroken(attempt.site, "an answer to a request not sent")
                 request = self._unacked[0]
                 if response.sequence != request.sequence:
-                    raise NodeUnavailable(
-                        f"{attempt.site}: answer for sequence {response.sequence}, "
-                        f"expected {request.sequence}"
+                    raise StreamBroken(
+                        attempt.site,
+                        f"an answer for sequence {response.sequence}, expected {request.sequence}",
                     )
                 self._unacked.popleft()
+                self._unacked_bytes -= len(request.payload)
                 attempt.sent -= 1
-                done.append((request, _result(response)))
+                done.append((request, append_result(response)))
             if done:
                 self._acked += len(done)
                 self._producer_known = True
+                attempt.waiting_since = time.monotonic() if attempt.sent else None
                 self._condition.notify_all()
         if done:
             self._session.remember_leader(attempt.site, table=self._table, group=None)
         for request, result in done:
             request.future.set_result(result)
 
-    def _after_failure(self, site: str, error: BaseException, retry: _Retry) -> str:
+    def _after_failure(self, site: str, error: RaftStoreError, retry: _Retry) -> str:
         """Where the next attempt goes; fails the pipeline (and returns `site`) when the
         error is final or the retry budget is spent."""
-        typed = error if isinstance(error, RaftStoreError) else None
-        if isinstance(typed, TableNotFound):
+        if isinstance(error, TableNotFound):
             # A node that has not applied the table's creation yet says so: believe it once
             # every known site did, or a site sends us back to one that did (its leader).
             retry.not_found.add(site)
-            retry.not_found_error = typed
+            retry.not_found_error = error
             untried = [known for known in self._session.sites if known not in retry.not_found]
             if untried and retry.backoff.remaining_s() > 0:
                 return untried[0]
-        hint = self._session.redirect_target(typed, site) if typed is not None else None
+        hint = self._session.redirect_target(error, site)
         if retry.not_found_error is not None and hint in retry.not_found:
-            typed = error = retry.not_found_error
-        if typed is None or not typed.retryable:
+            error = retry.not_found_error
+        if not error.retryable:
             log.warning("pipelined publish failed table=%s error=%s", self._table, error)
             self._fail_all(error, renew=True)
             return site
         log.debug("publish stream failed site=%s error=%s", site, error)
         self._session.forget_leader(site, table=self._table, group=None)
+        if isinstance(error, Unresponsive) and hint is not None:
+            # The stream waited the hedge delay (which bounds these moves) and the other
+            # sites agree on this leader: go at once, as call_policy.decide does.
+            return hint
         if hint is not None and not retry.redirected and retry.backoff.remaining_s() > 0:
             retry.redirected = True  # the first redirect goes at once; later ones back off
             return hint
@@ -389,8 +486,9 @@ class PublishPipeline:
                 return
             failed = list(self._unacked)
             self._unacked.clear()
+            self._unacked_bytes = 0
             if renew:
-                self._producer_id = secrets.token_bytes(PRODUCER_ID_BYTES)
+                self._producer_id = secrets.token_bytes(wire.PRODUCER_ID_BYTES)
                 self._next_sequence = 1
                 self._producer_known = False
                 log.warning(
@@ -405,9 +503,8 @@ class PublishPipeline:
             request.future.set_exception(PublishAborted(head.sequence, str(error)))
 
 
-def _result(response: hastream_pb2.PublishResponse) -> AppendResult:
-    from api_clients.publisher import AppendResult  # Import cycle: publisher uses us.
-
+def append_result(response: hastream_pb2.PublishResponse) -> AppendResult:
+    """The result of one answered publish request (unary or pipelined)."""
     return AppendResult(
         first_offset=response.first_offset,
         row_count=response.row_count,

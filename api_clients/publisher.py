@@ -23,7 +23,6 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -36,39 +35,20 @@ from api_clients.buffer import (
     BufferStats,
     DurableBuffer,
 )
-from api_clients.pipeline import MAX_IN_FLIGHT_DEFAULT, PublishPipeline
+from api_clients.pipeline import MAX_IN_FLIGHT_DEFAULT, PublishPipeline, append_result
+from api_clients.types import AppendResult
+from hastream import wire
+from hastream.errors import InvalidArgument, RaftStoreError, SchemaMismatch
 from proto import hastream_pb2
-from raftstore import limits
-from raftstore.errors import InvalidArgument, RaftStoreError, SchemaMismatch
 
 if TYPE_CHECKING:
     from api_clients.connection import Session
 
 log = logging.getLogger(__name__)
 
-PRODUCER_ID_BYTES: Final = 16
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AppendResult:
-    """What the cluster committed for one `append`. Offsets of one request are contiguous:
-    `[first_offset, first_offset + row_count)`. When the data was split into several
-    requests, `parts` holds each request's result (other publishers' rows may lie between
-    them), `first_offset` is the first part's and `lsn` the last part's."""
-
-    first_offset: int
-    row_count: int  # Rows appended (after key-column dedup).
-    duplicates: int  # Rows dropped by key-column dedup.
-    lsn: int  # Raft log index of the (last) entry that carried the rows.
-    duplicate_batch: bool = False  # A retry answered from the producer window.
-    parts: tuple[AppendResult, ...] = field(default=())
-    # With a durable buffer: rows of this append the cluster has not acknowledged yet (they
-    # are safe in the buffer and are resent later). 0 means everything was acknowledged.
-    buffered_rows: int = 0
-
-    @property
-    def acknowledged(self) -> bool:
-        return self.buffered_rows == 0
+# How long a publisher waits for the cluster when rows do not match the schema it has: it
+# asks once more (the table may have been re-created), but not for a whole call deadline.
+SCHEMA_RECHECK_S: Final = 2.0
 
 
 class Publisher:
@@ -104,25 +84,29 @@ class Publisher:
         *,
         producer_id: bytes | None = None,
         first_sequence: int = 1,
-        batch_bytes_max: int = limits.BATCH_BYTES_MAX,
+        batch_bytes_max: int = wire.BATCH_BYTES_MAX,
         deadline_s: float | None = None,
         durable_buffer_dir: str | os.PathLike[str] | None = None,
         buffer_bytes_max: int = BUFFER_BYTES_MAX_DEFAULT,
         schema: pa.Schema | None = None,
         max_in_flight: int | None = None,
     ) -> None:
-        if producer_id is not None and len(producer_id) != PRODUCER_ID_BYTES:
-            raise InvalidArgument("producer_id", f"must be {PRODUCER_ID_BYTES} bytes")
+        if producer_id is not None and len(producer_id) != wire.PRODUCER_ID_BYTES:
+            raise InvalidArgument("producer_id", f"must be {wire.PRODUCER_ID_BYTES} bytes")
         if first_sequence < 1:
             raise InvalidArgument("first_sequence", f"must be >= 1, got {first_sequence}")
-        if not 0 < batch_bytes_max <= limits.BATCH_BYTES_MAX:
-            raise InvalidArgument("batch_bytes_max", f"must be in (0, {limits.BATCH_BYTES_MAX}]")
+        if not 0 < batch_bytes_max <= wire.BATCH_BYTES_MAX:
+            raise InvalidArgument("batch_bytes_max", f"must be in (0, {wire.BATCH_BYTES_MAX}]")
         if durable_buffer_dir is not None and (producer_id is not None or first_sequence != 1):
             raise InvalidArgument(
                 "producer_id", "a durable buffer brings its own producer id and sequences"
             )
         if durable_buffer_dir is not None and max_in_flight is not None:
             raise InvalidArgument("max_in_flight", _NO_PIPELINE_WITH_BUFFER)
+        if max_in_flight is not None and not 1 <= max_in_flight <= wire.PIPELINE_IN_FLIGHT_MAX:
+            raise InvalidArgument("max_in_flight", f"must be in [1, {wire.PIPELINE_IN_FLIGHT_MAX}]")
+        if deadline_s is not None and deadline_s <= 0:
+            raise InvalidArgument("deadline_s", f"must be > 0, got {deadline_s}")
         self._session = session
         self._table = tableName
         self._buffer: DurableBuffer | None = None
@@ -131,7 +115,7 @@ class Publisher:
                 durable_buffer_dir, table=tableName, bytes_max=buffer_bytes_max
             )
             producer_id = self._buffer.producer_id
-        self._producer_id = producer_id or secrets.token_bytes(PRODUCER_ID_BYTES)
+        self._producer_id = producer_id or secrets.token_bytes(wire.PRODUCER_ID_BYTES)
         self._first_sequence = first_sequence
         self._next_sequence = first_sequence
         self._max_in_flight = MAX_IN_FLIGHT_DEFAULT if max_in_flight is None else max_in_flight
@@ -169,11 +153,11 @@ class Publisher:
         with self._lock:
             return self._table_schema()
 
-    def _table_schema(self) -> pa.Schema:
+    def _table_schema(self, deadline_s: float | None = None) -> pa.Schema:
         if self._schema is not None:
             return self._schema
         try:
-            self._schema = self._session.getTableInfo(self._table).schema
+            self._schema = self._session.getTableInfo(self._table, deadline_s=deadline_s).schema
         except RaftStoreError as error:
             stored = self._buffer.schema() if self._buffer is not None else None
             if not error.retryable or stored is None:
@@ -200,7 +184,9 @@ class Publisher:
                 raise
             self._schema = None
             try:
-                fresh = self._table_schema()
+                # Briefly: rows that do not match are refused either way; the cluster can
+                # only tell that the table changed, not make a wrong row right.
+                fresh = self._table_schema(SCHEMA_RECHECK_S)
             except RaftStoreError:
                 self._schema = cached  # the cluster cannot say: keep what we knew
                 raise mismatch from None
@@ -228,7 +214,7 @@ class Publisher:
             if self._buffer is not None:
                 return self._append_buffered(chunks)
             results = [self._publish(chunk) for chunk in chunks]
-        return _merge(results)
+        return AppendResult.merge(results)
 
     def append_async(self, data: object) -> Future[AppendResult]:
         """Pipelined `append`: validates and encodes `data` on the calling thread (raising
@@ -296,13 +282,7 @@ class Publisher:
             response.row_count,
             response.first_offset,
         )
-        return AppendResult(
-            first_offset=response.first_offset,
-            row_count=response.row_count,
-            duplicates=response.duplicates,
-            lsn=response.lsn,
-            duplicate_batch=response.duplicate_batch,
-        )
+        return append_result(response)
 
     # -- the durable buffer ------------------------------------------------------------
 
@@ -320,7 +300,7 @@ class Publisher:
             return AppendResult(
                 first_offset=-1, row_count=0, duplicates=0, lsn=-1, buffered_rows=buffered_rows
             )
-        return dataclasses.replace(_merge(results), buffered_rows=buffered_rows)
+        return dataclasses.replace(AppendResult.merge(results), buffered_rows=buffered_rows)
 
     def _drain(self, deadline_s: float | None) -> dict[int, AppendResult]:
         """Sends the buffered records oldest first until none is left or the cluster stays
@@ -441,21 +421,8 @@ def _gather(futures: list[Future[AppendResult]]) -> Future[AppendResult]:
         if errors:
             combined.set_exception(errors[0])
         else:
-            combined.set_result(_merge([future.result() for future in futures]))
+            combined.set_result(AppendResult.merge([future.result() for future in futures]))
 
     for future in futures:
         future.add_done_callback(done)
     return combined
-
-
-def _merge(results: list[AppendResult]) -> AppendResult:
-    if len(results) == 1:
-        return results[0]
-    return AppendResult(
-        first_offset=results[0].first_offset,
-        row_count=sum(result.row_count for result in results),
-        duplicates=sum(result.duplicates for result in results),
-        lsn=results[-1].lsn,
-        duplicate_batch=any(result.duplicate_batch for result in results),
-        parts=tuple(results),
-    )

@@ -4,32 +4,30 @@ micro-batch), resuming where a failed stream stopped, bounded by a deadline.
 Any node answers a Read, but a follower may lag behind the leader and end the range early,
 so a read with an explicit `offset_to` is only complete when every row up to it arrived:
 a short stream is retried (at the leader if known, else the next site) from the next
-missing offset.
+missing offset. A stream that goes silent past the session's hedge delay while the other
+sites agree on a leader is left for it (`hedge.StreamGuard`), and resumed there.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-import grpc
 import pyarrow as pa
 
 from api_clients import batches
-from api_clients.connection import rebuild_error
+from api_clients.hedge import StreamGuard
+from api_clients.transport import StreamBroken
+from api_clients.types import StreamOpener
+from hastream import wire
+from hastream.errors import InvalidArgument, RaftStoreError
 from proto import hastream_pb2
-from raftstore import limits
-from raftstore.errors import InvalidArgument, NodeUnavailable, RaftStoreError
-
-if TYPE_CHECKING:
-    from api_clients.connection import Session
 
 log = logging.getLogger(__name__)
 
 
 def read_range(
-    session: Session,
+    session: StreamOpener,
     table: str,
     offset_from: int,
     offset_to: int = -1,
@@ -42,8 +40,8 @@ def read_range(
     is complete, and non-retryable errors (OffsetOutOfRange, TableNotFound) at once."""
     if offset_from < 0 or (offset_to >= 0 and offset_to < offset_from):
         raise InvalidArgument("offset", f"bad range [{offset_from}, {offset_to})")
-    if not 0 <= batch_rows <= limits.SUBSCRIBE_BATCH_ROWS_MAX:
-        raise InvalidArgument("batch_rows", f"must be in [0, {limits.SUBSCRIBE_BATCH_ROWS_MAX}]")
+    if not 0 <= batch_rows <= wire.SUBSCRIBE_BATCH_ROWS_MAX:
+        raise InvalidArgument("batch_rows", f"must be in [0, {wire.SUBSCRIBE_BATCH_ROWS_MAX}]")
     backoff = session.new_backoff(deadline_s)
     site = session.route(table=table)
     parts: list[pa.Table] = []
@@ -56,17 +54,14 @@ def read_range(
             for rows in _read_stream(session, site, request, backoff.remaining_s()):
                 parts.append(rows)
                 position += rows.num_rows
-        except grpc.RpcError as rpc_error:
-            error = rebuild_error(rpc_error, site)
-            if error is None:
-                raise
+        except RaftStoreError as error:
             if not error.retryable:
-                raise error from None
+                raise
             reason: RaftStoreError = error
         else:
             if offset_to < 0 or position >= offset_to:
                 break
-            reason = NodeUnavailable(f"{site}: read ended at {position} before {offset_to}")
+            reason = StreamBroken(site, f"the read ended at {position} before {offset_to}")
         log.debug(
             "read retry table=%s site=%s position=%d reason=%s", table, site, position, reason
         )
@@ -80,18 +75,33 @@ def read_range(
 
 
 def _read_stream(
-    session: Session, site: str, request: hastream_pb2.ReadRequest, timeout_s: float
+    session: StreamOpener, site: str, request: hastream_pb2.ReadRequest, timeout_s: float
 ) -> Iterator[pa.Table]:
     """The stream's rows, message by message, checked to be contiguous from
     `request.offset_from`. Rows before a failure stay with the caller: a retry starts after."""
     position = request.offset_from
-    for message in session.open_stream(site, "Read", request, timeout_s=timeout_s):
-        if message.first_offset != position:
-            raise InvalidArgument(
-                "first_offset", f"read expected offset {position}, got {message.first_offset}"
-            )
-        rows = batches.decode(message.payload)
-        if rows.num_rows != message.row_count:
-            raise InvalidArgument("payload", f"row_count={message.row_count}, got {rows.num_rows}")
-        position += rows.num_rows
-        yield rows
+    stream = session.open_stream(site, "Read", request, timeout_s=timeout_s)
+    watch = session.leader_watch(site, table=request.table)
+    guard = StreamGuard(watch, stream.cancel) if watch is not None else None
+    try:
+        for message in stream:
+            if guard is not None:
+                guard.heard()
+            if message.first_offset != position:
+                raise InvalidArgument(
+                    "first_offset", f"read expected offset {position}, got {message.first_offset}"
+                )
+            rows = batches.decode(message.payload)
+            if rows.num_rows != message.row_count:
+                raise InvalidArgument(
+                    "payload", f"row_count={message.row_count}, got {rows.num_rows}"
+                )
+            position += rows.num_rows
+            yield rows
+    except RaftStoreError:
+        if guard is not None and guard.moved is not None:
+            raise guard.moved from None  # a silent node left for the leader the others name
+        raise
+    finally:
+        if guard is not None:
+            guard.close()

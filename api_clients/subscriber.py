@@ -20,35 +20,27 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Final
 
-import grpc
 import pyarrow as pa
 
 from api_clients import batches
-from api_clients.connection import rebuild_error
+from api_clients.hedge import LeaderWatch
+from api_clients.transport import Stream, StreamBroken, StreamIdle, Unresponsive
+from api_clients.types import Filter, Handler, StreamOpener
+from hastream import wire
+from hastream.errors import InvalidArgument, RaftStoreError, TableNotFound
+from hastream.model import OFFSET_EARLIEST, OFFSET_LATEST, topic_name
 from proto import hastream_pb2
-from raftstore import limits
-from raftstore.errors import InvalidArgument, NodeUnavailable, RaftStoreError, TableNotFound
-from raftstore.model import OFFSET_EARLIEST, OFFSET_LATEST
-
-if TYPE_CHECKING:
-    from api_clients.connection import Session
 
 log = logging.getLogger(__name__)
-
-# handler(message, first_offset): message is a pyarrow.Table (msgAsTable=True) or a list of
-# row dicts; first_offset is the offset of the first row of the range before filtering.
-Handler = Callable[[Any, int], object]
-# filter(table) returns the rows to keep: a pyarrow.Table, or a boolean mask over `table`.
-Filter = Callable[[pa.Table], "pa.Table | pa.Array | pa.ChunkedArray"]
 
 # Decoded messages waiting for the worker, per stream (each at most
 # SUBSCRIBE_BATCH_BYTES_MAX): the reader blocks when the handler is slower than the stream.
 QUEUE_MESSAGES_MAX: Final = 4
 # Rows buffered for one handler call are flushed early beyond this many bytes.
-PENDING_BYTES_MAX: Final = 64 * limits.MIB
-BATCH_SIZE_MAX: Final = limits.BATCH_ROWS_MAX
+PENDING_BYTES_MAX: Final = 64 * wire.MIB
+BATCH_SIZE_MAX: Final = wire.BATCH_ROWS_MAX
 # How often the worker looks at the stop flag and the throttle timer while idle.
 POLL_S: Final = 0.1
 # Without any message received for this long, a reconnecting subscription gives up.
@@ -58,7 +50,13 @@ READER_JOIN_TIMEOUT_S: Final = 5.0
 # A leader sends an empty message every SUBSCRIBE_HEARTBEAT_S (1 s) on an idle stream: this
 # long without any message means the node is frozen, cut off or overloaded past use, and the
 # subscription moves on (the next site, or the leader it names) instead of waiting for TCP.
-STREAM_IDLE_TIMEOUT_S: Final = 6 * limits.SUBSCRIBE_HEARTBEAT_S
+STREAM_IDLE_TIMEOUT_S: Final = 6 * wire.SUBSCRIBE_HEARTBEAT_S
+# Sooner than that, silence past one and a half heartbeats asks the other sites who leads
+# (the session's `LeaderWatch`), and the subscription moves as soon as they agree on another
+# leader: a cut-off or frozen leader is left about when its followers have elected a new
+# one. STREAM_IDLE_TIMEOUT_S stays the backstop when they cannot say (the client is the
+# one cut off, say).
+SILENCE_HEDGE_DELAY_S: Final = 1.5 * wire.SUBSCRIBE_HEARTBEAT_S
 STOP_TIMEOUT_S_DEFAULT: Final = 30.0
 
 
@@ -71,9 +69,9 @@ class _Message:
 
 @dataclass(frozen=True, slots=True)
 class _End:
-    """The stream ended: normally (error None), with a gRPC error, or with bad bytes."""
+    """The stream ended: normally (error None), with its typed failure, or with bad bytes."""
 
-    error: BaseException | None
+    error: RaftStoreError | None
 
 
 _Item = _Message | _End
@@ -91,7 +89,7 @@ def _decode(message: hastream_pb2.RowBatch) -> _Message:
 class _StreamReader(threading.Thread):
     """Iterates one server stream, decoding each message into `items`; ends with an `_End`."""
 
-    def __init__(self, call: Any, items: queue.Queue[_Item], name: str) -> None:
+    def __init__(self, call: Stream, items: queue.Queue[_Item], name: str) -> None:
         super().__init__(name=name, daemon=True)
         self._call = call
         self._items = items
@@ -107,7 +105,7 @@ class _StreamReader(threading.Thread):
             for message in self._call:
                 if not self._put(_decode(message)):
                     return
-        except (grpc.RpcError, InvalidArgument) as error:
+        except RaftStoreError as error:  # typed by the stream, or InvalidArgument (_decode)
             end = _End(error)
         self._put(end)
 
@@ -128,7 +126,10 @@ class Subscription:
     after the topic's persisted offset, -3 the earliest retained row). On a stream end,
     NotLeader or any retryable error (with `reconnect`), it resubscribes after a backoff, to
     the named leader or else the next site, from the last processed offset + 1 (or from the
-    start it was given, if nothing was processed yet). A non-retryable error, an exception
+    start it was given, if nothing was processed yet). A stream silent for
+    SILENCE_HEDGE_DELAY_S while the other sites agree on another leader ends as
+    `Unresponsive` and moves there; one silent for STREAM_IDLE_TIMEOUT_S ends as
+    `StreamIdle` and moves on. A non-retryable error, an exception
     from the handler or filter, or `reconnect_deadline_s` without a message ends it, with the
     reason in `.error`. With `persist_offset`, the processed offset is committed to the
     cluster at most every `throttle_s` seconds and once more when it stops.
@@ -136,7 +137,7 @@ class Subscription:
 
     def __init__(
         self,
-        session: Session,
+        session: StreamOpener,
         table: str,
         handler: Handler,
         *,
@@ -154,16 +155,20 @@ class Subscription:
     ) -> None:
         if offset < OFFSET_EARLIEST:
             raise InvalidArgument("offset", f"must be >= {OFFSET_EARLIEST}, got {offset}")
-        if not action_name:
-            raise InvalidArgument("actionName", "must not be empty")
+        if not 0 < len(action_name.encode()) <= wire.ACTION_NAME_BYTES_MAX:
+            raise InvalidArgument(
+                "actionName", f"must be 1..{wire.ACTION_NAME_BYTES_MAX} bytes, got {action_name!r}"
+            )
         if not 0 <= batch_size <= BATCH_SIZE_MAX:
             raise InvalidArgument("batchSize", f"must be in [0, {BATCH_SIZE_MAX}]")
         if throttle_s < 0:
             raise InvalidArgument("throttle", f"must be >= 0, got {throttle_s}")
-        if not 0 <= batch_rows <= limits.SUBSCRIBE_BATCH_ROWS_MAX:
+        if reconnect_deadline_s <= 0:
             raise InvalidArgument(
-                "batch_rows", f"must be in [0, {limits.SUBSCRIBE_BATCH_ROWS_MAX}]"
+                "reconnect_deadline_s", f"must be > 0, got {reconnect_deadline_s}"
             )
+        if not 0 <= batch_rows <= wire.SUBSCRIBE_BATCH_ROWS_MAX:
+            raise InvalidArgument("batch_rows", f"must be in [0, {wire.SUBSCRIBE_BATCH_ROWS_MAX}]")
         self._session = session
         self._table = table
         self._action_name = action_name
@@ -185,7 +190,7 @@ class Subscription:
         self._table_row_count = -1
         self._connections = 0
         self._error: BaseException | None = None
-        self._call: Any = None
+        self._call: Stream | None = None
         # Worker-thread only: the rows waiting for the next handler call, [first, last].
         self._latest_floor: int | None = None
         self._pending: list[pa.Table] = []
@@ -203,7 +208,7 @@ class Subscription:
 
     @property
     def topic(self) -> str:
-        return f"{self._table}/{self._action_name}"
+        return topic_name(self._table, self._action_name)
 
     @property
     def processed_offset(self) -> int:
@@ -300,8 +305,8 @@ class Subscription:
                 if untried and self._reconnect:
                     site = untried[0]
                     continue
-            reason = error if error is not None else NodeUnavailable(f"{site}: stream ended")
-            if not (isinstance(reason, RaftStoreError) and reason.retryable) or not self._reconnect:
+            reason = error if error is not None else StreamBroken(site, "the stream ended")
+            if not reason.retryable or not self._reconnect:
                 self._set_error(reason)
                 return
             log.info("resubscribing topic=%s site=%s reason=%s", self.topic, site, reason)
@@ -322,15 +327,12 @@ class Subscription:
         resumes from here instead of skipping rows appended while disconnected."""
         if self._requested_offset != OFFSET_LATEST:
             return
-        request = hastream_pb2.TableRequest(table=self._table)
         try:
-            response = self._session.call(
-                "GetTableInfo", request, table=self._table, deadline_s=COMMIT_DEADLINE_S
-            )
-        except (RaftStoreError, grpc.RpcError) as error:
+            info = self._session.getTableInfo(self._table, deadline_s=COMMIT_DEADLINE_S)
+        except RaftStoreError as error:
             log.warning("no row count for offset -1 topic=%s error=%s", self.topic, error)
             return
-        self._latest_floor = int(response.row_count)
+        self._latest_floor = info.row_count
 
     def _start_offset(self) -> int:
         with self._lock:
@@ -341,7 +343,7 @@ class Subscription:
             return self._latest_floor
         return self._requested_offset
 
-    def _consume(self, site: str) -> tuple[BaseException | None, bool]:
+    def _consume(self, site: str) -> tuple[RaftStoreError | None, bool]:
         """One stream from `site` until it ends. Returns (why it ended, any message seen)."""
         request = hastream_pb2.SubscribeRequest(
             table=self._table,
@@ -351,6 +353,7 @@ class Subscription:
         )
         log.info("subscribing topic=%s site=%s offset=%d", self.topic, site, request.offset)
         items: queue.Queue[_Item] = queue.Queue(maxsize=QUEUE_MESSAGES_MAX)
+        watch = self._session.leader_watch(site, table=self._table, delay_s=SILENCE_HEDGE_DELAY_S)
         call = self._session.open_stream(site, "Subscribe", request)
         reader = _StreamReader(call, items, name=f"subscribe-read-{self.topic}")
         with self._lock:
@@ -360,15 +363,19 @@ class Subscription:
             call.cancel()  # stop() ran before the call was visible to it.
         reader.start()
         try:
-            return self._pump(items, site)
+            return self._pump(items, site, watch)
         finally:
+            if watch is not None:
+                watch.close()
             reader.close()
             call.cancel()
             reader.join(READER_JOIN_TIMEOUT_S)
             with self._lock:
                 self._call = None
 
-    def _pump(self, items: queue.Queue[_Item], site: str) -> tuple[BaseException | None, bool]:
+    def _pump(
+        self, items: queue.Queue[_Item], site: str, watch: LeaderWatch | None
+    ) -> tuple[RaftStoreError | None, bool]:
         received = False
         heard_at = time.monotonic()  # the last message, rows or heartbeat
         while not self._stop_event.is_set():  # Bounded by the stream: its _End returns.
@@ -378,15 +385,26 @@ class Subscription:
                 self._flush_if_due()
                 self._commit()
                 silent_s = time.monotonic() - heard_at
+                leader = watch.check(silent_s) if watch is not None else None
+                if leader is not None:
+                    self._flush()
+                    log.warning(
+                        "no message for %.1fs topic=%s site=%s; the others name leader=%s",
+                        silent_s,
+                        self.topic,
+                        site,
+                        leader,
+                    )
+                    return Unresponsive(site, silent_s, leader), received
                 if silent_s > STREAM_IDLE_TIMEOUT_S:
                     self._flush()
                     log.warning("no message for %.1fs topic=%s site=%s", silent_s, self.topic, site)
-                    return NodeUnavailable(f"{site}: no message for {silent_s:.1f}s"), received
+                    return StreamIdle(site, silent_s, STREAM_IDLE_TIMEOUT_S), received
                 continue
             heard_at = time.monotonic()
             if isinstance(item, _End):
                 self._flush()
-                return self._classify(item.error, site), received
+                return item.error, received
             if not received:
                 # The node that streams the table leads it: send offset commits there too.
                 self._session.remember_leader(site, table=self._table, group=None)
@@ -395,18 +413,6 @@ class Subscription:
             self._flush_if_due()
             self._commit()
         return None, received
-
-    def _classify(self, error: BaseException | None, site: str) -> BaseException | None:
-        if not isinstance(error, grpc.RpcError):
-            return error
-        typed = rebuild_error(error, site)
-        if typed is not None:
-            return typed
-        call: Any = error
-        if call.code() == grpc.StatusCode.CANCELLED and not self._stop_event.is_set():
-            return NodeUnavailable(f"{site}: stream cancelled by the server")
-        untyped: BaseException = error  # grpc has no type stubs: keep the declared type.
-        return untyped
 
     def _poll_timeout_s(self) -> float:
         if not self._pending:
@@ -485,14 +491,11 @@ class Subscription:
         if not force and now - self._last_commit_at < self._throttle_s:
             return
         self._last_commit_at = now
-        request = hastream_pb2.CommitOffsetRequest(
-            table=self._table, action_name=self._action_name, offset=processed
-        )
         try:
-            self._session.call(
-                "CommitOffset", request, table=self._table, deadline_s=COMMIT_DEADLINE_S
+            self._session.commit_offset(
+                self._table, self._action_name, processed, deadline_s=COMMIT_DEADLINE_S
             )
-        except (RaftStoreError, grpc.RpcError, RuntimeError) as error:
+        except (RaftStoreError, RuntimeError) as error:  # RuntimeError: the session closed
             # Not fatal: delivery is at-least-once; the next commit carries a later offset.
             log.warning(
                 "offset commit failed topic=%s offset=%d error=%s", self.topic, processed, error

@@ -54,8 +54,8 @@ from api_clients.buffer import (
 )
 from api_clients.connection import Session, parse_site
 from api_clients.publisher import Publisher
-from raftstore import limits
-from raftstore.errors import InvalidArgument, Overloaded, RaftStoreError
+from hastream import wire
+from hastream.errors import InvalidArgument, Overloaded, RaftStoreError
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ WAIT_TIMEOUT_S_DEFAULT: Final = 600.0
 POLL_S: Final = 0.05
 # One send (with the session's own retries) is bounded by this, so a stop or a status is
 # never far behind; then the sender waits and sends the same record again.
-SEND_DEADLINE_S: Final = limits.PROPOSAL_TIMEOUT_S + 5.0
+SEND_DEADLINE_S: Final = wire.PROPOSAL_TIMEOUT_S + 5.0
 # The sender's wait between two failed sends (each send already retried for a while).
 RETRY_WAIT_S_MIN: Final = 0.1
 RETRY_WAIT_S_MAX: Final = 2.0
@@ -402,9 +402,11 @@ class MultithreadedTableWriter:
         *,
         insertTimeout: float = INSERT_TIMEOUT_S_DEFAULT,
         schema: pa.Schema | None = None,
-        batchBytesMax: int = limits.BATCH_BYTES_MAX,
+        batchBytesMax: int = wire.BATCH_BYTES_MAX,
     ) -> None:
-        _check_settings(batchSize, throttle, threadCount, bufferBytesMax, insertTimeout)
+        _check_settings(
+            batchSize, throttle, threadCount, bufferBytesMax, insertTimeout, batchBytesMax
+        )
         self._table = tableName
         self._batch_size = batchSize
         self._throttle_s = throttle
@@ -708,10 +710,17 @@ class MultithreadedTableWriter:
 
 
 def _check_settings(
-    batch_size: int, throttle_s: float, thread_count: int, bytes_max: int, timeout_s: float
+    batch_size: int,
+    throttle_s: float,
+    thread_count: int,
+    bytes_max: int,
+    timeout_s: float,
+    batch_bytes_max: int,
 ) -> None:
-    if not 1 <= batch_size <= limits.BATCH_ROWS_MAX:
-        raise InvalidArgument("batchSize", f"must be in [1, {limits.BATCH_ROWS_MAX}]")
+    if not 1 <= batch_size <= wire.BATCH_ROWS_MAX:
+        raise InvalidArgument("batchSize", f"must be in [1, {wire.BATCH_ROWS_MAX}]")
+    if not 0 < batch_bytes_max <= wire.BATCH_BYTES_MAX:
+        raise InvalidArgument("batchBytesMax", f"must be in (0, {wire.BATCH_BYTES_MAX}]")
     if throttle_s <= 0:
         raise InvalidArgument("throttle", f"must be > 0 seconds, got {throttle_s}")
     if not 1 <= thread_count <= THREADS_MAX:

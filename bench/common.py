@@ -200,11 +200,18 @@ class CpuSample:
 
 @contextmanager
 def bench_cluster(
-    *, purge_interval_s: float, election_timeout_s: float, keep: bool = False, patches: str = ""
+    *,
+    purge_interval_s: float,
+    election_timeout_s: float,
+    keep: bool = False,
+    patches: str = "",
+    hosts: dict[str, str] | None = None,
+    launch_prefix: dict[str, tuple[str, ...]] | None = None,
 ) -> Iterator[LocalCluster]:
     """A three-node cluster under /tmp (the same disk as everything else on this machine),
     removed afterwards unless `keep`. With `patches`, the nodes run bench.patched_node
-    (candidate changes, for A/B measurements only)."""
+    (candidate changes, for A/B measurements only). `hosts` and `launch_prefix` (alias ->
+    address, command prefix) run the nodes elsewhere, e.g. in network namespaces."""
     root = Path(tempfile.mkdtemp(prefix="hastream-bench-"))
     cluster: LocalCluster
     if patches:
@@ -218,7 +225,11 @@ def bench_cluster(
         )
     else:
         cluster = LocalCluster(
-            root, purge_interval_s=purge_interval_s, election_timeout_s=election_timeout_s
+            root,
+            purge_interval_s=purge_interval_s,
+            election_timeout_s=election_timeout_s,
+            hosts=dict(hosts or {}),
+            launch_prefix=dict(launch_prefix or {}),
         )
     failed = False
     try:

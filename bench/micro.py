@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import pyarrow as pa
-import pysyncobj.pickle as pysyncobj_pickle  # noqa: TID251 (measures pysyncobj's wire format)
+import pysyncobj.pickle as pysyncobj_pickle  # measures pysyncobj's wire format
 
 from bench import common
 from bench.patches import _authenticator_class
@@ -205,7 +205,7 @@ def stages(columns: int, batch_rows: int, directory: Path, wire: bool) -> dict[s
 
     def journal_add() -> None:
         lsn[0] += 1
-        journal.add(_REGULAR_TAG + command, lsn[0], 1)
+        journal.append(_REGULAR_TAG + command, lsn[0], 1)
 
     def journal_add_sync() -> None:
         journal_add()
@@ -248,7 +248,7 @@ def stages(columns: int, batch_rows: int, directory: Path, wire: bool) -> dict[s
         )
     results["payload bytes"] = float(len(payload))
     store.close()
-    journal._destroy()
+    journal.close()
     return results
 
 
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-wire", action="store_true", help="skip the socket stages")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
-    setattr(pysyncobj_pickle, "__protocol", 5)  # as replication._patch_pysyncobj does
+    setattr(pysyncobj_pickle, "__protocol", 5)  # as pysyncobj_patches.install does
     columns_results: dict[tuple[int, int], dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="hastream-micro-") as directory:
         for columns in args.columns:

@@ -66,15 +66,10 @@ def _in_flight(count: int) -> None:
 
 
 def _authenticator_class() -> Any:
-    """The class replication.py plugs into pysyncobj as its 'encryptor' (HMAC-SHA256 in early
-    versions, AES-GMAC later)."""
-    from raftstore import replication
+    """The class the node plugs into pysyncobj as its 'encryptor' (AES-GMAC)."""
+    from raftstore import pysyncobj_patches
 
-    for name in ("_GmacAuthenticator", "_HmacAuthenticator"):
-        found = getattr(replication, name, None)
-        if found is not None:
-            return found
-    raise AttributeError("no peer authenticator class in raftstore.replication")
+    return pysyncobj_patches.GmacAuthenticator
 
 
 @patch("no-auth")
@@ -97,30 +92,6 @@ def switch_interval() -> None:
     import sys
 
     sys.setswitchinterval(0.0005)
-
-
-@patch("light-validate")
-def light_validate() -> None:
-    """state_machine._read_stream: `RecordBatch.validate()` instead of `validate(full=True)`
-    (the full check walks every value; it runs on the leader before proposing AND in apply on
-    every replica). Measures what the full check costs."""
-    import pyarrow as pa
-
-    from raftstore import state_machine
-
-    def read_stream(payload: Any) -> tuple[pa.Schema, list[pa.RecordBatch]]:
-        try:
-            reader = pa.ipc.open_stream(pa.py_buffer(payload))
-            batches = [batch for batch in reader if batch.num_rows > 0]
-            for batch in batches:
-                batch.validate()
-        except state_machine._ARROW_ERRORS as error:
-            raise state_machine.InvalidArgument(
-                "payload", f"not a valid Arrow IPC stream: {error}"
-            ) from None
-        return reader.schema, batches
-
-    state_machine._read_stream = read_stream
 
 
 def names() -> list[str]:
@@ -193,7 +164,7 @@ def trace() -> None:
         state.proposed[id(command)] = clock()
         return apply_command(self, command, callback, *args)
 
-    add = DurableJournal.add
+    add = DurableJournal.append
 
     def traced_add(self: Any, command: Any, idx: int, term: int) -> None:
         started = clock()
@@ -277,7 +248,7 @@ def trace() -> None:
         return response
 
     sync_obj._applyCommand = traced_apply_command
-    DurableJournal.add = traced_add
+    DurableJournal.append = traced_add
     DurableJournal.sync = traced_sync
     sync_obj._SyncObj__onMessageReceived = traced_on_message
     sync_obj._SyncObj__doApplyCommand = traced_do_apply
@@ -301,7 +272,7 @@ def tcp_recv() -> None:
     in the recv calls a message takes, which shows when a follower has several multi-MB
     entries queued (4 publishers x 10,000 rows). The send side is left as it is (its
     `bytes +=` is free when the buffer is empty, the usual case)."""
-    import pysyncobj.tcp_connection as tcp  # noqa: TID251 (bench-only stand-in)
+    import pysyncobj.tcp_connection as tcp  # bench-only stand-in (bench/ may import it)
 
     connection = tcp.TcpConnection
     original_read = connection._TcpConnection__processRead

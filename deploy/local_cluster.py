@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -64,6 +65,14 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
+def _nofile_prefix(limit: int) -> list[str]:
+    """`prlimit` arguments that run a command under an open-files limit of `limit`, soft and
+    hard (a node raises its soft limit to the hard one at start: only a hard limit holds)."""
+    prlimit = shutil.which("prlimit")
+    assert prlimit is not None, "prlimit (util-linux) is needed to start a node under a limit"
+    return [prlimit, f"--nofile={limit}:{limit}"]
+
+
 def ipc_stream(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
@@ -76,6 +85,10 @@ def read_stream(payload: bytes) -> pa.Table:
     return pa.ipc.open_stream(payload).read_all()
 
 
+class NodeExited(AssertionError):
+    """A node process exited while the caller waited for it."""
+
+
 @dataclass
 class NodeProcess:
     alias: str
@@ -83,6 +96,12 @@ class NodeProcess:
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
     log_offset: int = 0  # where this incarnation's log begins
+    host: str = "127.0.0.1"  # what it binds and is dialled on (cluster.cfg `<alias>.host`)
+
+    @property
+    def site(self) -> str:
+        """`host:port`, as a client dials it."""
+        return f"{self.host}:{self.port}"
 
 
 @dataclass
@@ -92,7 +111,14 @@ class LocalCluster:
     groups: tuple[int, ...] = (2,)
     purge_interval_s: float = 300.0
     election_timeout_s: float = 1.0
+    extra_config: tuple[str, ...] = ()  # more cluster.cfg lines, e.g. "streamingTablesMax=3"
+    # alias -> host it binds (default 127.0.0.1), e.g. its address in its network namespace
+    hosts: dict[str, str] = field(default_factory=dict)
+    # alias -> what its command starts with, e.g. ("ip", "netns", "exec", "NS"); it must
+    # exec the node (so the process is the node itself: signals reach it)
+    launch_prefix: dict[str, tuple[str, ...]] = field(default_factory=dict)
     nodes: dict[str, NodeProcess] = field(default_factory=dict)
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # enable_metrics()
     _channels: dict[str, grpc.Channel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,6 +134,7 @@ class LocalCluster:
             f"streamingHAPurgeInterval={self.purge_interval_s}",
             f"streamingRaftElectionTimeout={self.election_timeout_s}",
             "streamingRaftSecret=test-cluster-secret",
+            *self.extra_config,
         ]
         for number, alias in enumerate(aliases):
             port = ports[number]
@@ -115,12 +142,13 @@ class LocalCluster:
                 f"{group}:{ports[self.size * (1 + index) + number]}"
                 for index, group in enumerate(self.groups)
             )
+            host = self.hosts.get(alias, "127.0.0.1")
             lines += [
-                f"{alias}.host=127.0.0.1",
+                f"{alias}.host={host}",
                 f"{alias}.port={port}",
                 f"{alias}.raftPorts={raft}",
             ]
-            self.nodes[alias] = NodeProcess(alias, port, self.root / f"{alias}.log")
+            self.nodes[alias] = NodeProcess(alias, port, self.root / f"{alias}.log", host=host)
         self.config_path = self.root / "cluster.cfg"
         self._config_lines = lines
         self.config_path.write_text("\n".join(lines) + "\n")
@@ -132,6 +160,20 @@ class LocalCluster:
         self._config_lines += [f"{alias}.advertisedHost={host}", f"{alias}.advertisedPort={port}"]
         self.config_path.write_text("\n".join(self._config_lines) + "\n")
 
+    def enable_metrics(self) -> dict[str, int]:
+        """Give every node a `metricsPort` (HTTP metrics and status page on 127.0.0.1);
+        alias -> port. Only before the nodes first start."""
+        ports = dict(zip(self.nodes, free_ports(len(self.nodes)), strict=True))
+        self.add_config_lines(*(f"{alias}.metricsPort={port}" for alias, port in ports.items()))
+        self.metrics_ports = ports
+        return ports
+
+    def add_config_lines(self, *lines: str) -> None:
+        """Append `key=value` lines to the cluster.cfg. Only before the nodes first start."""
+        assert all(node.process is None for node in self.nodes.values()), "already started"
+        self._config_lines += list(lines)
+        self.config_path.write_text("\n".join(self._config_lines) + "\n")
+
     # --- processes ---
 
     def start(self) -> LocalCluster:
@@ -141,21 +183,20 @@ class LocalCluster:
             self.wait_node_ready(alias)
         return self
 
-    def start_node(self, alias: str, *, wait: bool = True) -> None:
+    def start_node(self, alias: str, *, wait: bool = True, nofile: int | None = None) -> None:
+        """Start node `alias` (its log is appended to). With `nofile`, the process starts
+        under that limit of open files, soft and hard (`prlimit`)."""
         node = self.nodes[alias]
         node.log_offset = node.log_path.stat().st_size if node.log_path.exists() else 0
         env = dict(os.environ, PYTHONPATH=str(REPO))
+        command = [sys.executable, "-m", "raftstore", "--config", str(self.config_path)]
+        command += ["--node", alias]
+        if nofile is not None:
+            command = [*_nofile_prefix(nofile), *command]
+        command = [*self.launch_prefix.get(alias, ()), *command]
         with node.log_path.open("ab") as log_file:
             node.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "raftstore",
-                    "--config",
-                    str(self.config_path),
-                    "--node",
-                    alias,
-                ],
+                command,
                 cwd=REPO,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -166,17 +207,23 @@ class LocalCluster:
             self.wait_node_ready(alias)
 
     def wait_node_ready(self, alias: str, timeout_s: float = 60) -> None:
+        """Wait for the node's ready line; fail at once if the process exits first."""
         node = self.nodes[alias]
 
         def ready() -> bool:
             assert node.process is not None
             if node.process.poll() is not None:
-                raise AssertionError(f"{alias} exited: {self.log_tail(alias)}")
+                raise NodeExited(f"{alias} exited: {self.log_tail(alias)}")
             with node.log_path.open("rb") as log_file:
                 log_file.seek(node.log_offset)
                 return f"NODE READY alias={alias}".encode() in log_file.read()
 
-        wait_until(ready, timeout_s=timeout_s, message=f"{alias} ready")
+        # Not wait_until: it retries a predicate that raises, and an exit is final.
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s}s: {alias} ready")
+            time.sleep(0.05)
 
     def log_tail(self, alias: str, lines: int = 30) -> str:
         text = self.nodes[alias].log_path.read_text(errors="replace")
@@ -194,6 +241,49 @@ class LocalCluster:
             node.process.kill()
             node.process.wait(timeout=30)
         self._drop_channel(alias)
+
+    def terminate(self, alias: str, timeout_s: float = 30) -> int | None:
+        """SIGCONT (in case it is stopped), SIGTERM, and wait up to `timeout_s` for the exit;
+        SIGKILL if it does not exit in time. Returns the exit code of a SIGTERM exit, None if
+        it had to be killed or was not running."""
+        node = self.nodes[alias]
+        self._drop_channel(alias)
+        if node.process is None or node.process.poll() is not None:
+            return None
+        os.kill(node.process.pid, signal.SIGCONT)
+        node.process.terminate()
+        try:
+            return node.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not exit on SIGTERM within %.0fs; SIGKILL", alias, timeout_s)
+            node.process.kill()
+            node.process.wait(timeout=30)
+            return None
+
+    def pid(self, alias: str) -> int:
+        process = self.nodes[alias].process
+        assert process is not None, f"{alias} never started"
+        return process.pid
+
+    def exit_code(self, alias: str) -> int | None:
+        """The exit code of the node's last process; None while it runs (or never ran)."""
+        process = self.nodes[alias].process
+        return None if process is None else process.poll()
+
+    def persistence_dir(self, alias: str) -> Path:
+        """The node's `persistenceDir` (data files)."""
+        return self.root / alias / "persistence"
+
+    def ha_dir(self, alias: str) -> Path:
+        """The node's `streamingHADir` (Raft journal, raft.meta, checkpoints)."""
+        return self.root / alias / "raftlog"
+
+    def log_since_start(self, alias: str) -> str:
+        """The log of the node's current (or last) process."""
+        node = self.nodes[alias]
+        with node.log_path.open("rb") as log_file:
+            log_file.seek(node.log_offset)
+            return log_file.read().decode(errors="replace")
 
     def alive(self) -> list[str]:
         return [
@@ -233,7 +323,7 @@ class LocalCluster:
         channel = self._channels.get(alias)
         if channel is None:
             channel = grpc.insecure_channel(
-                f"127.0.0.1:{self.nodes[alias].port}",
+                self.nodes[alias].site,
                 options=[
                     ("grpc.max_receive_message_length", 64 << 20),
                     ("grpc.max_send_message_length", 64 << 20),

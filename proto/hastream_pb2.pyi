@@ -139,16 +139,18 @@ class ReadRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., offset_from: _Optional[int] = ..., offset_to: _Optional[int] = ..., batch_rows: _Optional[int] = ...) -> None: ...
 
 class FetchRecordsRequest(_message.Message):
-    __slots__ = ("raft_group", "table", "offset_from", "offset_to")
+    __slots__ = ("raft_group", "table", "offset_from", "offset_to", "created_lsn")
     RAFT_GROUP_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FROM_FIELD_NUMBER: _ClassVar[int]
     OFFSET_TO_FIELD_NUMBER: _ClassVar[int]
+    CREATED_LSN_FIELD_NUMBER: _ClassVar[int]
     raft_group: int
     table: str
     offset_from: int
     offset_to: int
-    def __init__(self, raft_group: _Optional[int] = ..., table: _Optional[str] = ..., offset_from: _Optional[int] = ..., offset_to: _Optional[int] = ...) -> None: ...
+    created_lsn: int
+    def __init__(self, raft_group: _Optional[int] = ..., table: _Optional[str] = ..., offset_from: _Optional[int] = ..., offset_to: _Optional[int] = ..., created_lsn: _Optional[int] = ...) -> None: ...
 
 class DataRecord(_message.Message):
     __slots__ = ("lsn", "first_offset", "row_count", "timestamp_ms", "payload")
@@ -202,6 +204,16 @@ class LeaderInfo(_message.Message):
     leader: str
     def __init__(self, raft_group: _Optional[int] = ..., leader: _Optional[str] = ...) -> None: ...
 
+class TransferLeadershipRequest(_message.Message):
+    __slots__ = ("raft_group", "to_node", "timeout_s")
+    RAFT_GROUP_FIELD_NUMBER: _ClassVar[int]
+    TO_NODE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    raft_group: int
+    to_node: str
+    timeout_s: float
+    def __init__(self, raft_group: _Optional[int] = ..., to_node: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
 class RaftGroupInfo(_message.Message):
     __slots__ = ("raft_group", "sites", "leader", "tables")
     RAFT_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +231,60 @@ class RaftGroups(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[RaftGroupInfo]
     def __init__(self, groups: _Optional[_Iterable[_Union[RaftGroupInfo, _Mapping]]] = ...) -> None: ...
+
+class NameClaim(_message.Message):
+    __slots__ = ("table", "raft_group", "nonce")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    RAFT_GROUP_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    raft_group: int
+    nonce: bytes
+    def __init__(self, table: _Optional[str] = ..., raft_group: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class NameClaims(_message.Message):
+    __slots__ = ("claims",)
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    claims: _containers.RepeatedCompositeFieldContainer[NameClaim]
+    def __init__(self, claims: _Optional[_Iterable[_Union[NameClaim, _Mapping]]] = ...) -> None: ...
+
+class TableDigestRequest(_message.Message):
+    __slots__ = ("raft_group", "table", "offset_from", "offset_to")
+    RAFT_GROUP_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FROM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_TO_FIELD_NUMBER: _ClassVar[int]
+    raft_group: int
+    table: str
+    offset_from: int
+    offset_to: int
+    def __init__(self, raft_group: _Optional[int] = ..., table: _Optional[str] = ..., offset_from: _Optional[int] = ..., offset_to: _Optional[int] = ...) -> None: ...
+
+class TableDigest(_message.Message):
+    __slots__ = ("offset_from", "offset_to", "records", "digest", "earliest_offset", "row_count")
+    OFFSET_FROM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_TO_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EARLIEST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ROW_COUNT_FIELD_NUMBER: _ClassVar[int]
+    offset_from: int
+    offset_to: int
+    records: int
+    digest: int
+    earliest_offset: int
+    row_count: int
+    def __init__(self, offset_from: _Optional[int] = ..., offset_to: _Optional[int] = ..., records: _Optional[int] = ..., digest: _Optional[int] = ..., earliest_offset: _Optional[int] = ..., row_count: _Optional[int] = ...) -> None: ...
+
+class RepairTableRequest(_message.Message):
+    __slots__ = ("raft_group", "table", "reason")
+    RAFT_GROUP_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    raft_group: int
+    table: str
+    reason: str
+    def __init__(self, raft_group: _Optional[int] = ..., table: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()

@@ -109,6 +109,36 @@ class StreamTableStub:
                 request_serializer=proto_dot_hastream__pb2.Empty.SerializeToString,
                 response_deserializer=proto_dot_hastream__pb2.JsonDocument.FromString,
                 _registered_method=True)
+        self.TransferLeadership = channel.unary_unary(
+                '/hastream.v1.StreamTable/TransferLeadership',
+                request_serializer=proto_dot_hastream__pb2.TransferLeadershipRequest.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.LeaderInfo.FromString,
+                _registered_method=True)
+        self.ClaimTableName = channel.unary_unary(
+                '/hastream.v1.StreamTable/ClaimTableName',
+                request_serializer=proto_dot_hastream__pb2.NameClaim.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.Empty.FromString,
+                _registered_method=True)
+        self.ReleaseTableName = channel.unary_unary(
+                '/hastream.v1.StreamTable/ReleaseTableName',
+                request_serializer=proto_dot_hastream__pb2.NameClaim.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.Empty.FromString,
+                _registered_method=True)
+        self.GetTableClaims = channel.unary_unary(
+                '/hastream.v1.StreamTable/GetTableClaims',
+                request_serializer=proto_dot_hastream__pb2.GroupRequest.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.NameClaims.FromString,
+                _registered_method=True)
+        self.GetTableDigest = channel.unary_unary(
+                '/hastream.v1.StreamTable/GetTableDigest',
+                request_serializer=proto_dot_hastream__pb2.TableDigestRequest.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.TableDigest.FromString,
+                _registered_method=True)
+        self.RepairTable = channel.unary_unary(
+                '/hastream.v1.StreamTable/RepairTable',
+                request_serializer=proto_dot_hastream__pb2.RepairTableRequest.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class StreamTableServicer:
@@ -213,6 +243,45 @@ class StreamTableServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TransferLeadership(self, request, context):
+        """Hand a group's leadership to another member (the leader answers; others: NotLeader).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClaimTableName(self, request, context):
+        """Peer-only: the catalog group's leader claims, releases and lists table names.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseTableName(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTableClaims(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTableDigest(self, request, context):
+        """Peer-only: replicas compare digests of their tables; a disagreeing one is repaired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepairTable(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StreamTableServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -290,6 +359,36 @@ def add_StreamTableServicer_to_server(servicer, server):
                     servicer.GetNodeStatus,
                     request_deserializer=proto_dot_hastream__pb2.Empty.FromString,
                     response_serializer=proto_dot_hastream__pb2.JsonDocument.SerializeToString,
+            ),
+            'TransferLeadership': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransferLeadership,
+                    request_deserializer=proto_dot_hastream__pb2.TransferLeadershipRequest.FromString,
+                    response_serializer=proto_dot_hastream__pb2.LeaderInfo.SerializeToString,
+            ),
+            'ClaimTableName': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimTableName,
+                    request_deserializer=proto_dot_hastream__pb2.NameClaim.FromString,
+                    response_serializer=proto_dot_hastream__pb2.Empty.SerializeToString,
+            ),
+            'ReleaseTableName': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseTableName,
+                    request_deserializer=proto_dot_hastream__pb2.NameClaim.FromString,
+                    response_serializer=proto_dot_hastream__pb2.Empty.SerializeToString,
+            ),
+            'GetTableClaims': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTableClaims,
+                    request_deserializer=proto_dot_hastream__pb2.GroupRequest.FromString,
+                    response_serializer=proto_dot_hastream__pb2.NameClaims.SerializeToString,
+            ),
+            'GetTableDigest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTableDigest,
+                    request_deserializer=proto_dot_hastream__pb2.TableDigestRequest.FromString,
+                    response_serializer=proto_dot_hastream__pb2.TableDigest.SerializeToString,
+            ),
+            'RepairTable': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepairTable,
+                    request_deserializer=proto_dot_hastream__pb2.RepairTableRequest.FromString,
+                    response_serializer=proto_dot_hastream__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -697,6 +796,168 @@ class StreamTable:
             '/hastream.v1.StreamTable/GetNodeStatus',
             proto_dot_hastream__pb2.Empty.SerializeToString,
             proto_dot_hastream__pb2.JsonDocument.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferLeadership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hastream.v1.StreamTable/TransferLeadership',
+            proto_dot_hastream__pb2.TransferLeadershipRequest.SerializeToString,
+            proto_dot_hastream__pb2.LeaderInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimTableName(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hastream.v1.StreamTable/ClaimTableName',
+            proto_dot_hastream__pb2.NameClaim.SerializeToString,
+            proto_dot_hastream__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseTableName(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hastream.v1.StreamTable/ReleaseTableName',
+            proto_dot_hastream__pb2.NameClaim.SerializeToString,
+            proto_dot_hastream__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTableClaims(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hastream.v1.StreamTable/GetTableClaims',
+            proto_dot_hastream__pb2.GroupRequest.SerializeToString,
+            proto_dot_hastream__pb2.NameClaims.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTableDigest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hastream.v1.StreamTable/GetTableDigest',
+            proto_dot_hastream__pb2.TableDigestRequest.SerializeToString,
+            proto_dot_hastream__pb2.TableDigest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepairTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hastream.v1.StreamTable/RepairTable',
+            proto_dot_hastream__pb2.RepairTableRequest.SerializeToString,
+            proto_dot_hastream__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,8 +6,9 @@ import argparse
 import logging
 import sys
 
+from hastream.errors import ConfigError
 from raftstore import config
-from raftstore.errors import ConfigError
+from raftstore.identity import StartRefused
 from raftstore.node import DirectoryLocked, Node
 
 
@@ -16,6 +17,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="cluster.cfg", help="path of cluster.cfg")
     parser.add_argument("--node", required=True, help="alias of this node in cluster.cfg")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--rejoin",
+        default="",
+        metavar="GROUPS",
+        help="comma-separated raft group ids (or 'all') whose lost or damaged Raft state this "
+        "node rebuilds from its peers, as a member that votes only once caught up",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -28,12 +36,33 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    node_groups = [group.group_id for group in cluster.groups_of(args.node)]
     try:
-        Node(cluster, args.node).run()
+        rejoin = _rejoin_groups(args.rejoin, node_groups)
+    except ValueError as error:
+        print(f"--rejoin {args.rejoin!r}: {error}", file=sys.stderr)
+        return 2
+    try:
+        Node(cluster, args.node, rejoin=rejoin).run()
     except DirectoryLocked as error:
         print(f"cannot start: {error}", file=sys.stderr)
         return 3
+    except StartRefused as error:
+        print(f"cannot start: {error.reason}", file=sys.stderr)
+        return 4
     return 0
+
+
+def _rejoin_groups(text: str, node_groups: list[int]) -> frozenset[int]:
+    if not text:
+        return frozenset()
+    if text == "all":
+        return frozenset(node_groups)
+    groups = frozenset(int(part) for part in text.split(","))
+    unknown = sorted(groups - set(node_groups))
+    if unknown:
+        raise ValueError(f"this node is in no raft group {unknown}")
+    return groups
 
 
 if __name__ == "__main__":

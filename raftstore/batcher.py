@@ -16,8 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from hastream.errors import LeadershipLost, Overloaded, RaftStoreError
 from raftstore import commands, limits
-from raftstore.errors import LeadershipLost, Overloaded, RaftStoreError
 from raftstore.state_machine import AppendResult, ItemResult
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class Batcher:
                 raise LeadershipLost("node shutting down")
             if len(self._queue) >= limits.PUBLISH_QUEUE_MAX:
                 raise Overloaded("publish", limits.PUBLISH_QUEUE_MAX)
+            if self._queued_bytes + len(item.payload) > limits.PUBLISH_QUEUE_BYTES_MAX:
+                raise Overloaded("publish bytes", limits.PUBLISH_QUEUE_BYTES_MAX)
             self._queue.append((item, future))
             self._queued_bytes += len(item.payload)
             self._condition.notify()
@@ -68,6 +70,9 @@ class Batcher:
                 raise LeadershipLost("node shutting down")
             if len(self._queue) + len(items) > limits.PUBLISH_QUEUE_MAX:
                 raise Overloaded("publish", limits.PUBLISH_QUEUE_MAX)
+            size = sum(len(item.payload) for item in items)
+            if self._queued_bytes + size > limits.PUBLISH_QUEUE_BYTES_MAX:
+                raise Overloaded("publish bytes", limits.PUBLISH_QUEUE_BYTES_MAX)
             for item, future in zip(items, futures, strict=True):
                 self._queue.append((item, future))
                 self._queued_bytes += len(item.payload)

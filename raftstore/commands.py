@@ -21,6 +21,11 @@ thing to a newer node:
     CommitOffset = topic:string | offset:i64
     RemoveOffset = topic:string
     Noop         = (empty)
+    ClaimName    = table:string | group_id:u32 | nonce:16 bytes
+    ReleaseName  = table:string | group_id:u32 | nonce:16 bytes
+
+ClaimName and ReleaseName are proposed only in the catalog group (the lowest configured
+group id), whose state machine holds which group owns each table name (catalog.py).
 
 An Append is written as kind APPEND (3) when no item carries a flag, byte for byte as before
 flags existed, and as kind APPEND_FLAGGED (7) otherwise: entries written before the flag
@@ -39,7 +44,7 @@ import struct
 from dataclasses import dataclass
 from typing import Final
 
-from raftstore.errors import InvalidArgument
+from hastream.errors import InvalidArgument
 
 VERSION: Final = 1
 PRODUCER_ID_BYTES: Final = 16
@@ -70,6 +75,8 @@ class Kind(enum.IntEnum):
     REMOVE_OFFSET = 5
     NOOP = 6
     APPEND_FLAGGED = 7
+    CLAIM_NAME = 8
+    RELEASE_NAME = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +129,31 @@ class Noop:
     pass
 
 
-Command = CreateTable | DropTable | Append | CommitOffset | RemoveOffset | Noop
+NONCE_BYTES: Final = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimName:
+    """Reserve `table` cluster-wide for raft group `group_id` (catalog group only).
+    `nonce` names this claim, so that only its own release can undo it."""
+
+    table: str
+    group_id: int
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseName:
+    """Undo the claim of `table` by `group_id` if it still carries `nonce`."""
+
+    table: str
+    group_id: int
+    nonce: bytes
+
+
+Command = (
+    CreateTable | DropTable | Append | CommitOffset | RemoveOffset | Noop | ClaimName | ReleaseName
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -230,7 +261,17 @@ def encode(command: Command) -> bytes:
             return _header(Kind.REMOVE_OFFSET) + _string(topic)
         case Noop():
             return _header(Kind.NOOP)
+        case ClaimName(table=table, group_id=group_id, nonce=nonce):
+            return _encode_name(Kind.CLAIM_NAME, table, group_id, nonce)
+        case ReleaseName(table=table, group_id=group_id, nonce=nonce):
+            return _encode_name(Kind.RELEASE_NAME, table, group_id, nonce)
     raise AssertionError(f"not a command: {type(command).__name__}")
+
+
+def _encode_name(kind: Kind, table: str, group_id: int, nonce: bytes) -> bytes:
+    if len(nonce) != NONCE_BYTES:
+        raise _invalid(f"nonce of {len(nonce)} bytes; want {NONCE_BYTES}")
+    return _header(kind) + _string(table) + _pack(_U32, group_id, "group_id") + nonce
 
 
 # ---------------------------------------------------------------------------------------
@@ -325,6 +366,13 @@ def _decode_body(kind: int, reader: _Reader) -> Command:
         return RemoveOffset(reader.string("topic"))
     if kind == Kind.NOOP:
         return Noop()
+    if kind in (Kind.CLAIM_NAME, Kind.RELEASE_NAME):
+        table = reader.string("table")
+        group_id = reader.integer(_U32)
+        nonce = bytes(reader.take(NONCE_BYTES))
+        if kind == Kind.CLAIM_NAME:
+            return ClaimName(table, group_id, nonce)
+        return ReleaseName(table, group_id, nonce)
     raise _invalid(f"unknown kind {kind}")
 
 

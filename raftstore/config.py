@@ -17,6 +17,10 @@ of the line (there are no trailing comments, so a secret may contain `#`). Keys:
     node1.advertisedHost=db1.example.com              optional; default: node1.host
     node1.advertisedPort=18901                        optional; default: node1.port
     node1.persistenceDir=... / node1.streamingHADir=...   per-node overrides
+    node1.metricsPort=9101                            optional: Prometheus /metrics and the
+                                                      status page, bound on node1.host
+    streamingPreferredLeaders=2:node1,3:node2         optional: a group's leader moves back
+                                                      to its preferred node when that is healthy
 
 A node binds its gRPC and Raft ports on `host`, and its peers dial `host:port` (catch-up)
 and `host:<raft port>`. `advertisedHost:advertisedPort` is what the node is called when
@@ -40,8 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from raftstore.errors import ConfigError, UnknownGroup
-from raftstore.model import NodeAddress
+from hastream.errors import ConfigError, UnknownGroup
+from hastream.model import NodeAddress
+from raftstore import limits
 
 # Global keys and their defaults (None = required).
 KEY_MODE: Final = "streamingHAMode"
@@ -51,6 +56,11 @@ KEY_HA_DIR: Final = "streamingHADir"
 KEY_PURGE_INTERVAL: Final = "streamingHAPurgeInterval"
 KEY_SECRET: Final = "streamingRaftSecret"
 KEY_ELECTION_TIMEOUT: Final = "streamingRaftElectionTimeout"
+KEY_SCRUB_RATE: Final = "streamingScrubRate"
+KEY_DIGEST_INTERVAL: Final = "streamingDigestInterval"
+KEY_AUTO_REJOIN: Final = "streamingAutoRejoin"
+KEY_PREFERRED_LEADERS: Final = "streamingPreferredLeaders"
+KEY_TABLES_MAX: Final = "streamingTablesMax"
 GLOBAL_KEYS: Final = (
     KEY_MODE,
     KEY_GROUPS,
@@ -59,6 +69,11 @@ GLOBAL_KEYS: Final = (
     KEY_PURGE_INTERVAL,
     KEY_SECRET,
     KEY_ELECTION_TIMEOUT,
+    KEY_SCRUB_RATE,
+    KEY_DIGEST_INTERVAL,
+    KEY_AUTO_REJOIN,
+    KEY_PREFERRED_LEADERS,
+    KEY_TABLES_MAX,
 )
 # Per-node keys: `<alias>.<field>`.
 FIELD_HOST: Final = "host"
@@ -66,6 +81,7 @@ FIELD_PORT: Final = "port"
 FIELD_RAFT_PORTS: Final = "raftPorts"
 FIELD_ADVERTISED_HOST: Final = "advertisedHost"
 FIELD_ADVERTISED_PORT: Final = "advertisedPort"
+FIELD_METRICS_PORT: Final = "metricsPort"
 NODE_FIELDS: Final = (
     FIELD_HOST,
     FIELD_PORT,
@@ -74,6 +90,7 @@ NODE_FIELDS: Final = (
     FIELD_ADVERTISED_PORT,
     KEY_PERSISTENCE_DIR,
     KEY_HA_DIR,
+    FIELD_METRICS_PORT,
 )
 
 HA_MODE_RAFT: Final = "raft"
@@ -82,6 +99,11 @@ PURGE_INTERVAL_S_DEFAULT: Final = 300.0
 ELECTION_TIMEOUT_S_DEFAULT: Final = 1.5
 ELECTION_TIMEOUT_S_MIN: Final = 0.2
 ELECTION_TIMEOUT_S_MAX: Final = 60.0
+# The online scrub re-reads data files at this many MB/s (0 turns it off).
+SCRUB_RATE_MB_S_DEFAULT: Final = 8.0
+SCRUB_RATE_MB_S_MAX: Final = 10_000.0
+# Replicas compare table digests this often (seconds; 0 turns it off).
+DIGEST_INTERVAL_S_DEFAULT: Final = 300.0
 GROUP_MEMBERS_MIN: Final = 3  # a majority must survive one failure
 GROUP_ID_MIN: Final = 2  # as in DolphinDB; 0 is the node-local (non-HA) group
 GROUP_ID_MAX: Final = 2**31 - 1  # the proto carries it as int32
@@ -105,6 +127,8 @@ class NodeConfig:
     advertised_port: int
     persistence_dir: Path  # absolute, <ALIAS> substituted
     ha_dir: Path  # absolute, <ALIAS> substituted
+    # Prometheus metrics and the status page (HTTP, on `host`); None: not served.
+    metrics_port: int | None = None
 
     def raft_port(self, group_id: int) -> int:
         """This node's Raft port for `group_id`. Asking for a group the node is not in is a
@@ -134,6 +158,8 @@ class NodeConfig:
 class RaftGroupConfig:
     group_id: int
     members: tuple[str, ...]  # aliases, in cfg order
+    # Where leadership goes back to when that node is healthy (streamingPreferredLeaders).
+    preferred_leader: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,6 +171,13 @@ class ClusterConfig:
     purge_interval_s: float
     raft_secret: str = field(repr=False)  # never printed or logged
     election_timeout_s: float  # min election timeout; the max is twice it
+    scrub_rate_mb_s: float = SCRUB_RATE_MB_S_DEFAULT
+    digest_interval_s: float = DIGEST_INTERVAL_S_DEFAULT
+    # A group whose Raft log is damaged rejoins as an empty replica that only catches up
+    # (instead of refusing to start until an operator passes --rejoin).
+    auto_rejoin: bool = False
+    # Tables per node, all groups together: one more is refused (TooManyTables).
+    tables_max: int = limits.TABLES_PER_NODE_MAX
 
     def node(self, alias: str) -> NodeConfig:
         """The node named `alias`; raises ConfigError if the cfg does not declare it."""
@@ -202,6 +235,7 @@ def parse(text: str, path: Path) -> ClusterConfig:
     global_values, node_values = _split_keys(entries, where)
     ha_mode = _parse_mode(where, global_values)
     groups = _parse_groups(where, global_values.get(KEY_GROUPS))
+    groups = _with_preferred_leaders(where, groups, global_values.get(KEY_PREFERRED_LEADERS))
     _check_members_declared(where, global_values[KEY_GROUPS], groups, node_values)
     nodes = tuple(
         _parse_node(where, path.parent, alias, fields, global_values, groups)
@@ -218,6 +252,10 @@ def parse(text: str, path: Path) -> ClusterConfig:
         purge_interval_s=_parse_purge_interval(where, global_values),
         raft_secret=_parse_secret(where, global_values),
         election_timeout_s=_parse_election_timeout(where, global_values),
+        scrub_rate_mb_s=_parse_scrub_rate(where, global_values),
+        digest_interval_s=_parse_digest_interval(where, global_values),
+        auto_rejoin=_parse_bool(where, KEY_AUTO_REJOIN, global_values, default=False),
+        tables_max=_parse_tables_max(where, global_values),
     )
 
 
@@ -233,7 +271,15 @@ def render(cluster: ClusterConfig) -> str:
         f"{KEY_SECRET}={_renderable(cluster.raft_secret)}",
         f"{KEY_PURGE_INTERVAL}={cluster.purge_interval_s!r}",
         f"{KEY_ELECTION_TIMEOUT}={cluster.election_timeout_s!r}",
+        f"{KEY_SCRUB_RATE}={cluster.scrub_rate_mb_s!r}",
+        f"{KEY_DIGEST_INTERVAL}={cluster.digest_interval_s!r}",
+        f"{KEY_AUTO_REJOIN}={'true' if cluster.auto_rejoin else 'false'}",
+        f"{KEY_TABLES_MAX}={cluster.tables_max}",
     ]
+    preferred = [g for g in cluster.groups if g.preferred_leader is not None]
+    if preferred:
+        items = ",".join(f"{g.group_id}:{g.preferred_leader}" for g in preferred)
+        lines.append(f"{KEY_PREFERRED_LEADERS}={items}")
     persistence_template = _alias_template([(n.alias, n.persistence_dir) for n in cluster.nodes])
     ha_template = _alias_template([(n.alias, n.ha_dir) for n in cluster.nodes])
     if persistence_template is not None:
@@ -256,6 +302,8 @@ def render(cluster: ClusterConfig) -> str:
             )
         if ha_template is None:
             lines.append(f"{node.alias}.{KEY_HA_DIR}={_renderable(str(node.ha_dir))}")
+        if node.metrics_port is not None:
+            lines.append(f"{node.alias}.{FIELD_METRICS_PORT}={node.metrics_port}")
     return "\n".join(lines) + "\n"
 
 
@@ -385,6 +433,49 @@ def _parse_election_timeout(where: str, global_values: dict[str, str]) -> float:
     return seconds
 
 
+def _parse_scrub_rate(where: str, global_values: dict[str, str]) -> float:
+    key = KEY_SCRUB_RATE
+    text = global_values.get(key)
+    if text is None:
+        return SCRUB_RATE_MB_S_DEFAULT
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ConfigError(where, key, text, "not a number of MB/s") from None
+    if not 0.0 <= rate <= SCRUB_RATE_MB_S_MAX:
+        raise ConfigError(where, key, text, f"must be >= 0 and <= {SCRUB_RATE_MB_S_MAX} MB/s")
+    return rate
+
+
+def _parse_digest_interval(where: str, global_values: dict[str, str]) -> float:
+    key = KEY_DIGEST_INTERVAL
+    seconds = _parse_seconds(where, key, global_values, DIGEST_INTERVAL_S_DEFAULT)
+    if seconds < 0.0:
+        raise ConfigError(where, key, global_values[key], "must be >= 0 seconds (0: off)")
+    return seconds
+
+
+def _parse_tables_max(where: str, global_values: dict[str, str]) -> int:
+    text = global_values.get(KEY_TABLES_MAX)
+    if text is None:
+        return limits.TABLES_PER_NODE_MAX
+    value = _parse_int(where, KEY_TABLES_MAX, text, text, "a number of tables")
+    if not 1 <= value <= limits.TABLES_PER_NODE_MAX:
+        raise ConfigError(
+            where, KEY_TABLES_MAX, text, f"must be >= 1 and <= {limits.TABLES_PER_NODE_MAX}"
+        )
+    return value
+
+
+def _parse_bool(where: str, key: str, global_values: dict[str, str], *, default: bool) -> bool:
+    text = global_values.get(key)
+    if text is None:
+        return default
+    if text.lower() not in ("true", "false"):
+        raise ConfigError(where, key, text, "must be true or false")
+    return text.lower() == "true"
+
+
 def _parse_int(where: str, key: str, value: str, text: str, what: str) -> int:
     """A plain decimal integer (no sign, no `_`); `value` is the whole value for messages."""
     if _INTEGER_PATTERN.fullmatch(text) is None:
@@ -440,6 +531,36 @@ def _parse_group(where: str, value: str, item: str) -> RaftGroupConfig:
     return RaftGroupConfig(group_id=group_id, members=tuple(members))
 
 
+def _with_preferred_leaders(
+    where: str, groups: tuple[RaftGroupConfig, ...], value: str | None
+) -> tuple[RaftGroupConfig, ...]:
+    """`groupId:alias,...`: each named group's preferred leader, a member of it."""
+    if value is None:
+        return groups
+    key = KEY_PREFERRED_LEADERS
+    preferred: dict[int, str] = {}
+    for item in value.split(","):
+        group_text, separator, alias = (part.strip() for part in item.partition(":"))
+        if not separator:
+            raise ConfigError(where, key, value, f"item {item.strip()!r} is not groupId:alias")
+        group_id = _parse_group_id(where, key, value, group_text)
+        if group_id in preferred:
+            raise ConfigError(where, key, value, f"group {group_id} is listed more than once")
+        members = next((g.members for g in groups if g.group_id == group_id), None)
+        if members is None:
+            raise ConfigError(where, key, value, f"group {group_id} is not in {KEY_GROUPS}")
+        if alias not in members:
+            reason = f"{alias!r} is not a member of group {group_id} ({', '.join(members)})"
+            raise ConfigError(where, key, value, reason)
+        preferred[group_id] = alias
+    return tuple(
+        RaftGroupConfig(
+            group_id=g.group_id, members=g.members, preferred_leader=preferred.get(g.group_id)
+        )
+        for g in groups
+    )
+
+
 def _check_members_declared(
     where: str,
     groups_text: str,
@@ -479,6 +600,13 @@ def _parse_node(
     advertised_host, advertised_port = _parse_advertised(where, alias, fields, host, port)
     persistence_dir = _node_dir(where, base_dir, alias, KEY_PERSISTENCE_DIR, fields, global_values)
     ha_dir = _node_dir(where, base_dir, alias, KEY_HA_DIR, fields, global_values)
+    metrics_text = fields.get(FIELD_METRICS_PORT)
+    metrics_key = f"{alias}.{FIELD_METRICS_PORT}"
+    metrics_port = (
+        None
+        if metrics_text is None
+        else _parse_port(where, metrics_key, metrics_text, metrics_text)
+    )
     return NodeConfig(
         alias=alias,
         host=host,
@@ -488,6 +616,7 @@ def _parse_node(
         advertised_port=advertised_port,
         persistence_dir=persistence_dir,
         ha_dir=ha_dir,
+        metrics_port=metrics_port,
     )
 
 
@@ -571,13 +700,16 @@ def _node_dir(
 
 
 def _check_ports_unique(where: str, nodes: tuple[NodeConfig, ...]) -> None:
-    """No two endpoints (client or Raft, any node) on one host share a port."""
+    """No two endpoints (client, Raft or metrics, any node) on one host share a port."""
     owners: dict[tuple[str, int], str] = {}
     for node in nodes:
         endpoints = [(f"{node.alias}.{FIELD_PORT}", node.port, str(node.port))]
         raft_text = ",".join(f"{group}:{port}" for group, port in node.raft_ports)
         raft_key = f"{node.alias}.{FIELD_RAFT_PORTS}"
         endpoints += [(raft_key, port, raft_text) for _, port in node.raft_ports]
+        if node.metrics_port is not None:
+            metrics_key = f"{node.alias}.{FIELD_METRICS_PORT}"
+            endpoints.append((metrics_key, node.metrics_port, str(node.metrics_port)))
         for key, port, value in endpoints:
             slot = (node.host.lower(), port)
             if slot in owners:

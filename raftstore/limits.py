@@ -1,4 +1,4 @@
-"""Every bound in one place, with asserts on how they relate.
+"""Every bound of the node, with asserts on how they relate.
 
 A full queue rejects new work; it never grows. Exceeding a bound raises an error with
 fields (`BatchTooLarge(size, size_max)`), never a silent truncation.
@@ -6,11 +6,26 @@ fields (`BatchTooLarge(size, size_max)`), never a silent truncation.
 
 from typing import Final
 
-MIB: Final = 1024 * 1024
-
-# One publish request: the Arrow IPC payload of one batch.
-BATCH_BYTES_MAX: Final = 16 * MIB
-BATCH_ROWS_MAX: Final = 1_000_000
+# The bounds of the wire contract, which the client checks too, are defined once in
+# hastream/wire.py; re-exported here beside the server-only bounds.
+from hastream.wire import ACTION_NAME_BYTES_MAX as ACTION_NAME_BYTES_MAX
+from hastream.wire import BATCH_BYTES_MAX as BATCH_BYTES_MAX
+from hastream.wire import BATCH_ROWS_MAX as BATCH_ROWS_MAX
+from hastream.wire import COLUMNS_MAX as COLUMNS_MAX
+from hastream.wire import GRPC_MESSAGE_BYTES_MAX as GRPC_MESSAGE_BYTES_MAX
+from hastream.wire import MIB as MIB
+from hastream.wire import PIPELINE_BATCH_REQUESTS_MAX as PIPELINE_BATCH_REQUESTS_MAX
+from hastream.wire import PIPELINE_IN_FLIGHT_BYTES_MAX as PIPELINE_IN_FLIGHT_BYTES_MAX
+from hastream.wire import PIPELINE_IN_FLIGHT_MAX as PIPELINE_IN_FLIGHT_MAX
+from hastream.wire import PRODUCER_ID_BYTES as PRODUCER_ID_BYTES
+from hastream.wire import PROPOSAL_TIMEOUT_S as PROPOSAL_TIMEOUT_S
+from hastream.wire import SUBSCRIBE_BATCH_BYTES_MAX as SUBSCRIBE_BATCH_BYTES_MAX
+from hastream.wire import SUBSCRIBE_BATCH_ROWS_MAX as SUBSCRIBE_BATCH_ROWS_MAX
+from hastream.wire import SUBSCRIBE_HEARTBEAT_S as SUBSCRIBE_HEARTBEAT_S
+from hastream.wire import TABLE_NAME_BYTES_MAX as TABLE_NAME_BYTES_MAX
+from hastream.wire import TABLE_NAME_PATTERN as TABLE_NAME_PATTERN
+from hastream.wire import TRANSFER_TIMEOUT_S_DEFAULT as TRANSFER_TIMEOUT_S_DEFAULT
+from hastream.wire import TRANSFER_TIMEOUT_S_MAX as TRANSFER_TIMEOUT_S_MAX
 
 # One Raft entry: group commit packs several publishes into one entry up to this size.
 ENTRY_BYTES_MAX: Final = 24 * MIB
@@ -25,6 +40,8 @@ RAFT_SNAPSHOT_CHUNK_BYTES: Final = 1 * MIB
 
 # Publishes waiting for group commit per Raft group; beyond it: Overloaded.
 PUBLISH_QUEUE_MAX: Final = 10_000
+# ... and at most this many payload bytes (a queue of 10,000 16 MiB batches would not fit).
+PUBLISH_QUEUE_BYTES_MAX: Final = 512 * MIB
 # Raft entries proposed but not yet applied, per group (the proposer waits beyond it).
 PROPOSALS_IN_FLIGHT_MAX: Final = 8
 # Unsent bytes queued for one Raft peer beyond which its link is dropped (and later
@@ -37,27 +54,18 @@ RAFT_SEND_BUFFER_BYTES_MAX: Final = (
 # pysyncobj's own command queue, per group.
 RAFT_COMMAND_QUEUE_MAX: Final = 1_000
 
-# PublishStream: requests read from one stream and not yet answered. When it is full the
-# server stops reading the stream (HTTP/2 flow control then holds the client back).
-PIPELINE_IN_FLIGHT_MAX: Final = 256
-# PublishStream: requests in one PublishBatch message (so at most PIPELINE_IN_FLIGHT_MAX +
-# PIPELINE_BATCH_REQUESTS_MAX - 1 are read and unanswered per stream).
-PIPELINE_BATCH_REQUESTS_MAX: Final = 256
-# PublishStream: payload bytes read from one stream and not yet answered; reading also stops
-# at this bound (so a stream holds at most this plus one message, GRPC_MESSAGE_BYTES_MAX).
-PIPELINE_IN_FLIGHT_BYTES_MAX: Final = 64 * MIB
-
-# How long a write waits for commit before it answers ProposalTimeout.
-PROPOSAL_TIMEOUT_S: Final = 10.0
-
-# Names.
-TABLE_NAME_BYTES_MAX: Final = 128
-ACTION_NAME_BYTES_MAX: Final = 128
-COLUMNS_MAX: Final = 4096
-
 # Data files.
 SEGMENT_BYTES_MAX: Final = 64 * MIB
 RECORD_BYTES_MAX: Final = ENTRY_BYTES_MAX
+# Data files held open at once by one process, across every table (storage/files.py
+# OpenFiles): beyond it the least recently used is closed, and reopened when next needed. It
+# is also at most 1/DATA_FILES_FD_LIMIT_DIVISOR of the soft fd limit, so that sockets,
+# journals and gRPC keep the rest: ~1,000 tables would otherwise exhaust the usual 1,024.
+DATA_FILES_OPEN_MAX: Final = 4096
+DATA_FILES_FD_LIMIT_DIVISOR: Final = 4
+DATA_FILES_OPEN_MIN: Final = 16
+# The soft fd limit the node asks for at start when the hard limit is unlimited.
+FD_SOFT_LIMIT_IF_UNLIMITED: Final = 1_048_576
 
 # Dedup: a keyed table drops a row whose key is among the keys of its last
 # DEDUP_WINDOW_ROWS rows. Producer (idempotency token) windows: the newest
@@ -65,16 +73,21 @@ RECORD_BYTES_MAX: Final = ENTRY_BYTES_MAX
 DEDUP_WINDOW_ROWS: Final = 1_000_000
 PRODUCERS_MAX: Final = 10_000
 
-# Subscriptions.
-SUBSCRIBE_BATCH_ROWS_MAX: Final = 65_536
-SUBSCRIBE_BATCH_BYTES_MAX: Final = 8 * MIB
-# An idle subscription stream gets an empty RowBatch this often, so its subscriber can tell a
-# quiet table from a frozen or cut-off leader in seconds (api_clients STREAM_IDLE_TIMEOUT_S).
-SUBSCRIBE_HEARTBEAT_S: Final = 1.0
-SUBSCRIPTIONS_MAX: Final = 1_000
+# Tables per node (all groups): creating one more answers TooManyTables before proposing.
+TABLES_PER_NODE_MAX: Final = 4096
 
-# gRPC messages must carry the largest batch plus framing.
-GRPC_MESSAGE_BYTES_MAX: Final = BATCH_BYTES_MAX + 4 * MIB
+# Repair: a repair that has not fetched every missing row by then is shown as failed (and
+# keeps trying). While a replica is in doubt, its Raft log keeps the entries it cannot apply
+# yet; past this many bytes it stops taking new ones (the leader resends them later).
+REPAIR_DEADLINE_S: Final = 600.0
+DOUBT_LOG_BYTES_MAX: Final = 512 * MIB
+# An apply stalled by an environment error is retried after a backoff growing to this.
+APPLY_RETRY_MAX_S: Final = 5.0
+# Tables moved aside as damaged, kept per group for an operator to look at (oldest deleted).
+QUARANTINED_TABLES_MAX: Final = 8
+
+# Replica digests compare at most this many of a table's newest rows.
+DIGEST_ROWS_MAX: Final = 1_000_000
 
 # Raft log bytes held between checkpoints before a checkpoint is forced early (pysyncobj
 # keeps the whole log in RAM until compaction).
@@ -82,8 +95,22 @@ RAFT_LOG_BYTES_MAX: Final = 256 * MIB
 
 assert ENTRY_BYTES_MAX >= BATCH_BYTES_MAX + MIB, "one batch plus framing must fit an entry"
 assert RAFT_APPEND_BATCH_BYTES >= 2 * ENTRY_BYTES_MAX, "avoid pysyncobj's chunked-send bug"
-assert GRPC_MESSAGE_BYTES_MAX > BATCH_BYTES_MAX
-assert SUBSCRIBE_BATCH_BYTES_MAX < GRPC_MESSAGE_BYTES_MAX
 assert RAFT_LOG_BYTES_MAX > 4 * ENTRY_BYTES_MAX
+assert DOUBT_LOG_BYTES_MAX > RAFT_LOG_BYTES_MAX, "a replica in doubt keeps more than a healthy"
+assert DATA_FILES_OPEN_MIN <= DATA_FILES_OPEN_MAX
+assert DATA_FILES_OPEN_MAX * DATA_FILES_FD_LIMIT_DIVISOR <= FD_SOFT_LIMIT_IF_UNLIMITED
 assert PIPELINE_IN_FLIGHT_MAX <= PUBLISH_QUEUE_MAX, "one stream alone cannot overload a group"
-assert PIPELINE_IN_FLIGHT_BYTES_MAX >= 2 * BATCH_BYTES_MAX, "a stream of big batches pipelines"
+
+# A node asked to stop hands each group it leads to a follower first, for at most this long
+# in all (the transfers run in parallel); then it stops anyway (an election follows).
+SHUTDOWN_TRANSFER_TIMEOUT_S: Final = 3.0
+# A group's preferred leader asks for leadership back once it has been healthy and caught
+# up for this long (and then at most this often), so a restarting node is not handed a
+# group while it still replays its log.
+PREFERRED_LEADER_SETTLE_S: Final = 5.0
+assert SHUTDOWN_TRANSFER_TIMEOUT_S <= TRANSFER_TIMEOUT_S_MAX
+# A request that reaches a leader handing over, or a new leader that has not applied its
+# first entry yet, waits at most this long before it is refused (NotLeader with the new
+# leader, NodeUnavailable): a client's retry round costs more than the wait.
+LEADER_WAIT_S: Final = 1.0
+assert PUBLISH_QUEUE_BYTES_MAX >= 4 * PIPELINE_IN_FLIGHT_BYTES_MAX, "a few streams fit"

@@ -1,8 +1,11 @@
 """The replica of the node-local group: non-HA persisted stream tables.
 
-Same journal, same state machine, same data files and checkpoints as a Raft group, minus
-the network: a proposal is acknowledged once it is fsynced in this node's journal and
-applied. This is what the benchmark compares HA tables against.
+Same journal, same applier, same data files and checkpoints as a Raft group, minus the
+network: a proposal is committed once it is fsynced in this node's journal, and answered
+once applied. This is what the benchmark compares HA tables against.
+
+Like a Raft member, it keeps an entry the applier answers STALLED (an environment error, a
+repair) in its journal and offers it again later; proposals behind it wait in order.
 """
 
 from __future__ import annotations
@@ -15,46 +18,78 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-from raftstore import commands, limits
-from raftstore.errors import LeadershipLost, Overloaded, RaftStoreError
-from raftstore.replication import ReplicaHooks
+from hastream.errors import (
+    CheckpointDeferred,
+    InvalidArgument,
+    LeadershipLost,
+    NodeUnavailable,
+    Overloaded,
+    RaftStoreError,
+)
+from raftstore import limits
+from raftstore.replica import STALLED, ApplyHooks, RoleSignal, Snapshot
+from raftstore.stats import HistogramSnapshot
+from raftstore.storage import checkpoint, group_checkpoint
+from raftstore.storage.files import REAL_FILES, Files
+from raftstore.storage.group_checkpoint import GroupCheckpoint
 from raftstore.storage.journal import DurableJournal
 
 log = logging.getLogger(__name__)
 
 LOCAL_ADDRESS: Final = "local"
 _TERM: Final = 1
+# While the applier answers STALLED, the loop looks again this often.
+_STALLED_WAIT_S: Final = 0.05
 
 Callback = Callable[[Any, RaftStoreError | None], None]
 
 
 class LocalReplica:
-    def __init__(self, directory: Path, hooks: ReplicaHooks, checkpoint_interval_s: float) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        hooks: ApplyHooks,
+        role: RoleSignal,
+        checkpoint_interval_s: float,
+        *,
+        files: Files = REAL_FILES,
+    ) -> None:
         self._hooks = hooks
-        self._journal = DurableJournal(directory)
+        self._files = files
+        self._journal = DurableJournal(directory, files=files)
         self._checkpoint_path = directory / "checkpoint"
         self._checkpoint_interval_s = checkpoint_interval_s
         self._queue: collections.deque[tuple[bytes, Callback]] = collections.deque()
+        self._callbacks: dict[int, Callback] = {}  # journal index -> proposer, until applied
         self._condition = threading.Condition()
         self._closed = False
         self._last_applied = 0
+        self._last_index = 0  # of the journal, or of the checkpoint when the journal is empty
         self._recover()
+        self._replayed_to = self._last_index
         self._last_checkpoint = time.monotonic()
+        self._checkpoint_requested = False
+        role.set(True)  # the only member: always the leader
         self._thread = threading.Thread(target=self._run, name="local-replica", daemon=True)
         self._thread.start()
 
     def _recover(self) -> None:
-        if len(self._journal) == 0:
-            self._journal.add(commands.encode(commands.Noop()), 1, _TERM)
-            self._journal.sync()
-        if self._checkpoint_path.exists():
-            last, _previous = self._hooks.read_checkpoint(self._checkpoint_path)
-            self._last_applied = last[1]
-        for command, idx, _term in list(self._journal[:]):
-            if idx > self._last_applied:
-                self._hooks.apply(idx, memoryview(command))
-                self._last_applied = idx
-        log.info("local group recovered lsn=%d", self._last_applied)
+        if self._files.exists(self._checkpoint_path):
+            body = checkpoint.read_checked(
+                self._checkpoint_path, group_checkpoint.KIND, files=self._files
+            )
+            decoded = group_checkpoint.decode(body)
+            self._hooks.restore(Snapshot(decoded.lsn, decoded.state))
+            self._last_applied = decoded.lsn
+        self._last_index = max(self._last_applied, self._journal_last())
+        log.info(
+            "local group recovered checkpoint_lsn=%d journal_last=%d",
+            self._last_applied,
+            self._journal_last(),
+        )
+
+    def _journal_last(self) -> int:
+        return int(self._journal[-1][1]) if len(self._journal) else 0
 
     def propose(self, command: bytes, callback: Callback) -> None:
         with self._condition:
@@ -68,45 +103,99 @@ class LocalReplica:
     def _run(self) -> None:  # the local group's event loop: runs until close()
         while True:
             with self._condition:
-                if not self._queue and not self._closed:
+                idle = not self._queue and self._last_applied >= self._last_index
+                if idle and not self._closed:
                     self._condition.wait(timeout=1.0)
                 if self._closed:
                     return
                 batch = list(self._queue)
                 self._queue.clear()
             if batch:
-                self._commit(batch)
+                self._append(batch)
+            if not self._apply_committed():
+                time.sleep(_STALLED_WAIT_S)  # the applier waits on the environment
             self._hooks.on_tick()
-            if time.monotonic() - self._last_checkpoint > self._checkpoint_interval_s:
+            due = time.monotonic() - self._last_checkpoint > self._checkpoint_interval_s
+            if due or self._checkpoint_requested or self._hooks.checkpoint_wanted():
+                self._checkpoint_requested = False
                 self.checkpoint()
 
-    def _commit(self, batch: list[tuple[bytes, Callback]]) -> None:
-        first = self._last_applied + 1
-        for number, (command, _) in enumerate(batch):
-            self._journal.add(command, first + number, _TERM)
-        self._journal.sync()  # one fsync for everything queued: group commit
-        for number, (command, callback) in enumerate(batch):
-            result = self._hooks.apply(first + number, memoryview(command))
-            self._last_applied = first + number
-            callback(result, None)
+    def _append(self, batch: list[tuple[bytes, Callback]]) -> None:
+        """Journal the proposals with one fsync (group commit): they are committed."""
+        first = self._last_index + 1
+        try:
+            for number, (command, _) in enumerate(batch):
+                self._journal.append(command, first + number, _TERM)
+            self._journal.sync()
+        except OSError as error:
+            # Not committed: refuse them (the journal cut back what it could not write).
+            log.error("local journal write failed: %s", error)
+            self._cut_journal_to(self._last_index)
+            for _, callback in batch:
+                callback(None, NodeUnavailable(f"local journal write failed: {error}"))
+            return
+        for number, (_, callback) in enumerate(batch):
+            self._callbacks[first + number] = callback
+        self._last_index = first + len(batch) - 1
         if self._journal.bytes_total > limits.RAFT_LOG_BYTES_MAX:
-            self.checkpoint()
+            self._checkpoint_requested = True
+
+    def _cut_journal_to(self, last_index: int) -> None:
+        while len(self._journal) and self._journal[-1][1] > last_index:
+            self._journal.truncate_from(len(self._journal) - 1)
+
+    def _apply_committed(self) -> bool:
+        """Apply journaled entries in order. False when the applier stalled."""
+        while self._last_applied < self._last_index:
+            index = self._last_applied + 1
+            command = self._entry(index)
+            result = self._hooks.apply(index, memoryview(command))
+            if result is STALLED:
+                return False
+            self._last_applied = index
+            callback = self._callbacks.pop(index, None)
+            if callback is not None:
+                callback(result, None)
+        return True
+
+    def _entry(self, index: int) -> bytes:
+        first = int(self._journal[0][1])
+        command, held, _ = self._journal[index - first]
+        assert held == index, (held, index)
+        return bytes(command)
 
     def checkpoint(self) -> None:
-        """Write a checkpoint and truncate the journal to its last two entries (local
-        thread only)."""
+        """Write a checkpoint and drop the journal entries it holds (local thread only)."""
         self._last_checkpoint = time.monotonic()
-        if len(self._journal) < 2:
+        if self._last_applied == 0:
             return
-        last, previous = self._journal[-1], self._journal[-2]
-        self._hooks.write_checkpoint(self._checkpoint_path, last, previous)
-        self._journal.deleteEntriesTo(len(self._journal) - 2)
+        try:
+            snapshot = self._hooks.checkpoint()
+        except CheckpointDeferred as deferred:
+            log.info("local checkpoint deferred: %s", deferred.reason)
+            return
+        body = group_checkpoint.encode(
+            GroupCheckpoint(lsn=snapshot.lsn, state=snapshot.state, trailer=b"")
+        )
+        try:
+            checkpoint.write_atomic(
+                self._checkpoint_path, group_checkpoint.KIND, body, files=self._files
+            )
+            held = sum(1 for _, idx, _ in self._journal[:] if idx <= snapshot.lsn)
+            self._journal.drop_first(held)
+            self._hooks.checkpoint_written(snapshot.lsn)
+        except OSError as error:
+            # The journal keeps every entry: the next checkpoint tries again.
+            log.error("local checkpoint failed: %s", error)
 
     def is_leader(self) -> bool:
         return True
 
     def is_leader_ready(self) -> bool:
         return True
+
+    def replayed(self) -> bool:
+        return self._last_applied >= self._replayed_to
 
     def leader_address(self) -> str | None:
         return LOCAL_ADDRESS
@@ -115,16 +204,28 @@ class LocalReplica:
         return {
             "role": "leader",
             "term": _TERM,
-            "commit_index": self._last_applied,
+            "commit_index": self._last_index,
             "last_applied": self._last_applied,
             "log_len": len(self._journal),
             "journal_bytes": self._journal.bytes_total,
             "journal_syncs": self._journal.syncs,
         }
 
+    def transfer_leadership(self, target: str | None, timeout_s: float) -> str:
+        raise InvalidArgument("raft_group", "the node-local group has no other member to lead")
+
+    def transfer_target(self) -> str | None:
+        return None
+
+    def await_transfer(self, timeout_s: float) -> None:
+        return
+
+    def latencies(self) -> dict[str, HistogramSnapshot]:
+        return {}
+
     def request_checkpoint(self) -> None:
         with self._condition:
-            self._last_checkpoint = 0.0
+            self._checkpoint_requested = True
             self._condition.notify()
 
     def close(self) -> None:
@@ -132,4 +233,4 @@ class LocalReplica:
             self._closed = True
             self._condition.notify_all()
         self._thread.join(timeout=10)
-        self._journal._destroy()
+        self._journal.close()

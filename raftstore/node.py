@@ -1,8 +1,13 @@
 """Composition root: builds the groups, their replicas and the gRPC server; owns shutdown.
 
-pysyncobj's tick thread stops when the thread that built its SyncObj exits, so `run()`
-builds every replica on the calling (main) thread and keeps that thread alive until a
-signal asks the node to stop.
+Each group is built in order, every part from parts already built: role signal, repairer,
+applier, replica (which calls the applier), group commit, group. pysyncobj's tick thread
+stops when the thread that built its SyncObj exits, so `run()` builds every replica on the
+calling (main) thread and keeps that thread alive until a signal asks the node to stop.
+
+Ready means ready: NODE READY is printed once every group has replayed its local log and
+is not in doubt (no repair running), with the gRPC server already up (peers repairing from
+this node, and operators asking for status, need it before then).
 """
 
 from __future__ import annotations
@@ -13,22 +18,36 @@ import os
 import signal
 import sys
 import threading
-from concurrent import futures
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
-from proto import hastream_pb2_grpc
-from raftstore import limits
+from hastream.errors import UnknownGroup
+from hastream.model import LOCAL_GROUP, NodeAddress
+from raftstore import identity, limits
+from raftstore.apply import REPAIR_DIR, Applier, ApplierSettings
+from raftstore.batcher import Batcher
+from raftstore.catalog import Catalog
+from raftstore.catch_up import Repairer
 from raftstore.config import ClusterConfig
-from raftstore.errors import UnknownGroup
+from raftstore.digest import DigestChecker
 from raftstore.group import Group, GroupSettings, Member
+from raftstore.leadership import PreferredLeader, hand_over
 from raftstore.local_replica import LOCAL_ADDRESS, LocalReplica
-from raftstore.model import LOCAL_GROUP
 from raftstore.peers import PeerClient
+from raftstore.replica import RoleSignal
 from raftstore.replication import RaftReplica, RaftSettings
-from raftstore.service import StreamTableService
+from raftstore.retention import Retention
+from raftstore.scrub import Scrubber
+from raftstore.service import start_server
+from raftstore.stats import subscriber_lag
+from raftstore.status_http import StatusServer
+from raftstore.storage.files import REAL_FILES, ensure_dir, raise_fd_soft_limit
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +59,21 @@ class DirectoryLocked(RuntimeError):
 
 
 READY_LINE = "NODE READY alias={alias} port={port}"
-GRPC_WORKERS = 64
+# How often the housekeeping thread reconciles the catalog of table names.
+_HOUSEKEEPING_S = 5.0
+# How often the watch thread updates the gRPC health status and checks preferred leaders.
+_WATCH_S = 0.5
+# The gRPC health service names (grpc.health.v1): "" is the whole server.
+HEALTH_SERVICES = ("", "hastream.v1.StreamTable")
 
 
 class Node:
-    def __init__(self, cluster: ClusterConfig, alias: str) -> None:
+    def __init__(
+        self, cluster: ClusterConfig, alias: str, *, rejoin: frozenset[int] = frozenset()
+    ) -> None:
+        """`rejoin`: groups whose lost or damaged Raft state the operator lets this node
+        rebuild from its peers (identity.py)."""
+        self._rejoin = rejoin
         self.cluster = cluster
         self.config = cluster.node(alias)
         self.alias = alias
@@ -53,6 +82,26 @@ class Node:
         self._stopping = threading.Event()
         self._server: grpc.Server | None = None
         self._lock_fds: list[int] = []
+        self._threads: list[threading.Thread] = []
+        self.catalog: Catalog
+        self._digests = DigestChecker(self._peers)
+        self._next_digest_at = time.monotonic() + cluster.digest_interval_s
+        self._scrubber = (
+            Scrubber(self.groups, cluster.scrub_rate_mb_s) if cluster.scrub_rate_mb_s > 0 else None
+        )
+        self._health = health.HealthServicer()
+        for service in HEALTH_SERVICES:
+            self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._status_server: StatusServer | None = None
+        self._preferred = PreferredLeader(
+            alias,
+            {
+                group.group_id: group.preferred_leader
+                for group in cluster.groups
+                if group.preferred_leader is not None
+            },
+            self._peers.transfer_leadership,
+        )
 
     # --- NodeView for the servicer ---
 
@@ -73,23 +122,49 @@ class Node:
     # --- lifecycle (main thread) ---
 
     def start(self) -> None:
+        """Raises StartRefused when the node's directories do not match its identity."""
+        raise_fd_soft_limit()
         for directory in (self.config.persistence_dir, self.config.ha_dir):
             self._lock_directory(directory)
+        identity.check_and_record(
+            self.alias,
+            self.config.ha_dir,
+            self.config.persistence_dir,
+            [group.group_id for group in self.cluster.groups_of(self.alias)],
+            rejoin=self._rejoin,
+            auto_rejoin=self.cluster.auto_rejoin,
+        )
         self._start_local_group()
         for group_config in self.cluster.groups_of(self.alias):
             self._start_raft_group(group_config.group_id)
+        self.catalog = self._build_catalog()
         self._start_server()
+        self._start_status_server()
+        self._start_thread(self._housekeeping, "housekeeping")
+        self._start_thread(self._watch, "watch")
+        if self._scrubber is not None:
+            scrubber = self._scrubber
+            self._start_thread(lambda: scrubber.run(self._stopping), "scrub")
 
     def _lock_directory(self, directory: Path) -> None:
         """Two processes must never write one node's files: hold an exclusive lock."""
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        ensure_dir(REAL_FILES, directory, root=directory)
+        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise DirectoryLocked(directory) from None
         self._lock_fds.append(fd)
+
+    def _member(self, alias: str) -> Member:
+        node = self.cluster.node(alias)
+        return Member(address=node.address, advertised=node.advertised_address)
+
+    def _build_applier(self, group_id: int, data_dir: Path, peers: list[NodeAddress]) -> Applier:
+        repairer = Repairer(group_id, data_dir / REPAIR_DIR, self._peers.fetch_records, peers)
+        settings = ApplierSettings(group_id=group_id, data_dir=data_dir)
+        return Applier(settings, repairer, Retention())
 
     def _start_local_group(self) -> None:
         settings = GroupSettings(
@@ -98,19 +173,18 @@ class Node:
             self_address=self.config.advertised_address,
             members={LOCAL_ADDRESS: self._member(self.alias)},
         )
-        group = Group(settings, self._peers.fetch_records)
-        replica = LocalReplica(self.config.ha_dir / "local", group, self.cluster.purge_interval_s)
-        group.attach(replica)
-        self._groups[LOCAL_GROUP] = group
-
-    def _member(self, alias: str) -> Member:
-        node = self.cluster.node(alias)
-        return Member(address=node.address, advertised=node.advertised_address)
+        role = RoleSignal()
+        applier = self._build_applier(LOCAL_GROUP, settings.data_dir, [])
+        replica = LocalReplica(
+            self.config.ha_dir / "local", applier, role, self.cluster.purge_interval_s
+        )
+        batcher = Batcher(LOCAL_GROUP, replica.propose)
+        self._groups[LOCAL_GROUP] = Group(settings, applier, replica, role, batcher)
 
     def _start_raft_group(self, group_id: int) -> None:
+        aliases = self.cluster.group(group_id).members
         members = {
-            self.cluster.raft_address(alias, group_id): self._member(alias)
-            for alias in self.cluster.group(group_id).members
+            self.cluster.raft_address(alias, group_id): self._member(alias) for alias in aliases
         }
         settings = GroupSettings(
             group_id=group_id,
@@ -118,7 +192,7 @@ class Node:
             self_address=self.config.advertised_address,
             members=members,
         )
-        group = Group(settings, self._peers.fetch_records)
+        peers = [self.cluster.node(alias).address for alias in aliases if alias != self.alias]
         raft = RaftSettings(
             group_id=group_id,
             self_address=self.cluster.raft_address(self.alias, group_id),
@@ -128,37 +202,152 @@ class Node:
             election_timeout_s=self.cluster.election_timeout_s,
             checkpoint_interval_s=self.cluster.purge_interval_s,
         )
-        group.attach(RaftReplica(raft, group))
-        self._groups[group_id] = group
+        role = RoleSignal()
+        applier = self._build_applier(group_id, settings.data_dir, peers)
+        replica = RaftReplica(raft, applier, role)
+        batcher = Batcher(group_id, replica.propose)
+        self._groups[group_id] = Group(settings, applier, replica, role, batcher)
+
+    def _build_catalog(self) -> Catalog:
+        """Table names are claimed in the lowest configured group's log (catalog.py)."""
+        catalog_id = min(group.group_id for group in self.cluster.groups)
+        members = {
+            alias: self.cluster.node(alias).address
+            for alias in self.cluster.group(catalog_id).members
+        }
+        return Catalog(catalog_id, self._groups.get(catalog_id), members, self._peers)
+
+    def _start_thread(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _housekeeping(self) -> None:  # the node's housekeeping loop: runs until stop()
+        """Reconcile the catalog of table names; compare replica digests when due."""
+        interval_s = min(_HOUSEKEEPING_S, self.cluster.digest_interval_s or _HOUSEKEEPING_S)
+        while not self._stopping.wait(timeout=interval_s):
+            digests_due = (
+                self.cluster.digest_interval_s > 0 and time.monotonic() >= self._next_digest_at
+            )
+            if digests_due:
+                self._next_digest_at = time.monotonic() + self.cluster.digest_interval_s
+            for group in self.groups():
+                if group.group_id == LOCAL_GROUP:
+                    continue
+                try:
+                    self.catalog.reconcile(group)
+                    if digests_due:
+                        self._digests.check(group, self._peer_members(group.group_id), self.alias)
+                except Exception:  # housekeeping must outlive one bad round; logged
+                    log.exception("housekeeping failed group=%d", group.group_id)
+
+    def _peer_members(self, group_id: int) -> dict[str, NodeAddress]:
+        return {
+            alias: self.cluster.node(alias).address
+            for alias in self.cluster.group(group_id).members
+        }
+
+    def housekeeping_status(self) -> dict[str, Any]:
+        return {
+            "scrub": None if self._scrubber is None else self._scrubber.status(),
+            "digest_comparisons": self._digests.comparisons,
+            "digest_mismatches": self._digests.mismatches,
+        }
+
+    def group_statuses(self) -> list[dict[str, Any]]:
+        """Every group's status (role, indexes, health...) without its per-table figures."""
+        return [
+            {key: value for key, value in group.status().items() if key != "table_stats"}
+            for group in self._groups.values()
+        ]
+
+    def streaming_stat(self) -> dict[str, Any]:
+        """getStreamingStat: per table publish figures, per topic subscriptions and lag, and
+        every group's status, as this node sees them."""
+        groups = list(self._groups.values())
+        publish, subscriptions = [], []
+        for group in groups:
+            status = group.status()
+            tables = status.pop("table_stats")
+            for table, stats in tables.items():
+                publish.append({"raft_group": group.group_id, "table": table, **stats})
+            topics = group.topics()
+            for topic, count in status["subscriptions"].items():
+                rows = tables.get(topic.rpartition("/")[0], {}).get("row_count", 0)
+                offset = topics.get(topic, -1)
+                subscriptions.append(
+                    {
+                        "topic": topic,
+                        "connections": count,
+                        "persisted_offset": offset,
+                        "lag": subscriber_lag(rows, offset),
+                    }
+                )
+        return {
+            "alias": self.alias,
+            "tables": publish,
+            "subscriptions": subscriptions,
+            "topics": {topic: o for group in groups for topic, o in group.topics().items()},
+            "groups": self.group_statuses(),
+        }
+
+    def ready(self) -> bool:
+        """Every group has replayed its local log and none is in doubt."""
+        return all(group.ready() for group in self._groups.values())
+
+    def serving(self) -> bool:
+        """Ready, and every Raft group knows its leader: what grpc.health.v1 says SERVING
+        for (and the Docker health check asks)."""
+        if self._stopping.is_set() or not self.ready():
+            return False
+        return all(
+            group.leader() is not None
+            for group_id, group in self._groups.items()
+            if group_id != LOCAL_GROUP
+        )
+
+    def _watch(self) -> None:  # the node's watch loop: runs until stop()
+        """Keep the gRPC health status current; ask for preferred leaderships back."""
+        serving: bool | None = None
+        while not self._stopping.wait(timeout=_WATCH_S):
+            now_serving = self.serving()
+            if now_serving != serving:
+                serving = now_serving
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if serving
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                for service in HEALTH_SERVICES:
+                    self._health.set(service, status)
+                log.info("health serving=%s", serving)
+            try:
+                self._preferred.check(self.groups())
+            except Exception:  # the watch must outlive one bad round; logged
+                log.exception("preferred leader check failed")
+
+    def _start_status_server(self) -> None:
+        port = self.config.metrics_port
+        if port is None:
+            return
+        self._status_server = StatusServer(self, self.config.host, port)
+        self._status_server.start()
+        log.info("metrics and status page on http://%s:%d/", self.config.host, port)
 
     def _start_server(self) -> None:
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="grpc"),
-            options=[
-                ("grpc.max_receive_message_length", limits.GRPC_MESSAGE_BYTES_MAX),
-                ("grpc.max_send_message_length", limits.GRPC_MESSAGE_BYTES_MAX),
-                ("grpc.so_reuseport", 0),
-                # Let clients probe idle streams (a subscriber must notice a frozen leader).
-                ("grpc.keepalive_time_ms", 10_000),
-                ("grpc.keepalive_timeout_ms", 5_000),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", 2_000),
-                ("grpc.http2.max_ping_strikes", 0),
-            ],
-            maximum_concurrent_rpcs=GRPC_WORKERS - 4,
+        self._server = start_server(
+            self, f"{self.config.host}:{self.config.port}", health=self._health
         )
-        hastream_pb2_grpc.add_StreamTableServicer_to_server(StreamTableService(self), server)
-        address = f"{self.config.host}:{self.config.port}"
-        if server.add_insecure_port(address) == 0:
-            raise OSError(f"cannot bind gRPC port {address}")
-        server.start()
-        self._server = server
 
     def run(self) -> None:
         """Start, announce readiness, and block until SIGTERM/SIGINT (main thread)."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.start()
+        while not self.ready():  # polls cheap in-memory state; the signal may end it
+            if self._stopping.wait(timeout=0.05):
+                self.stop()
+                return
         print(
             READY_LINE.format(alias=self.alias, port=self.config.port), file=sys.stderr, flush=True
         )
@@ -177,9 +366,19 @@ class Node:
         self._stopping.set()
 
     def stop(self) -> None:
+        """Hand every group this node leads to a follower (bounded), then stop serving,
+        then close the groups."""
+        self._stopping.set()
+        self._health.enter_graceful_shutdown()
+        if self._server is not None:  # started: groups may lead, and clients are connected
+            hand_over(self.groups(), limits.SHUTDOWN_TRANSFER_TIMEOUT_S)
+        if self._status_server is not None:
+            self._status_server.close()
         if self._server is not None:
             self._server.stop(grace=2).wait()
         for group in self._groups.values():
             group.close()
+        for thread in self._threads:
+            thread.join(timeout=10)
         self._peers.close()
         log.info("node stopped alias=%s", self.alias)

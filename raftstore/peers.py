@@ -1,4 +1,5 @@
-"""gRPC calls from one node to another: fetching data-file records for catch-up."""
+"""gRPC calls from one node to another: fetching data-file records for repair, and the
+catalog of table names (claims go to the catalog group's leader)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ from typing import Any
 
 import grpc
 
+from hastream import errors
+from hastream.errors import NodeUnavailable
+from hastream.model import NodeAddress, TableDigest
 from proto import hastream_pb2, hastream_pb2_grpc
-from raftstore import errors, limits
-from raftstore.errors import NodeUnavailable
-from raftstore.model import NodeAddress
+from raftstore import limits
 from raftstore.storage.segments import DataRecord
 
 _FETCH_TIMEOUT_S = 600.0
+_CATALOG_TIMEOUT_S = 10.0
+_DIGEST_TIMEOUT_S = 60.0
 
 
 class PeerClient:
@@ -41,11 +45,23 @@ class PeerClient:
             return stub
 
     def fetch_records(
-        self, peer: NodeAddress, group_id: int, table: str, offset_from: int, offset_to: int
+        self,
+        peer: NodeAddress,
+        group_id: int,
+        table: str,
+        offset_from: int,
+        offset_to: int,
+        created_lsn: int,
     ) -> Iterator[DataRecord]:
-        """Records covering [offset_from, offset_to) as the peer stores them."""
+        """Records covering [offset_from, offset_to) of the incarnation created at
+        `created_lsn`, as the peer stores them. Raises IncarnationDropped when the peer has
+        applied its drop."""
         request = hastream_pb2.FetchRecordsRequest(
-            raft_group=group_id, table=table, offset_from=offset_from, offset_to=offset_to
+            raft_group=group_id,
+            table=table,
+            offset_from=offset_from,
+            offset_to=offset_to,
+            created_lsn=created_lsn,
         )
         try:
             for message in self._stub(peer).FetchRecords(request, timeout=_FETCH_TIMEOUT_S):
@@ -57,12 +73,73 @@ class PeerClient:
                     payload=message.payload,
                 )
         except grpc.RpcError as error:
-            call: Any = error  # a raised RpcError is also the call: it has trailing metadata
-            metadata = {k: v for k, v in call.trailing_metadata() or () if isinstance(v, str)}
-            typed = errors.from_wire(metadata)
-            if typed is not None:  # e.g. OffsetOutOfRange: the peer no longer holds the rows
-                raise typed from None
-            raise NodeUnavailable(f"peer {peer}: {error.code().name} {error.details()}") from None
+            raise _typed(peer, error) from None
+
+    def claim_name(self, peer: NodeAddress, table: str, group_id: int, nonce: bytes) -> None:
+        """Ask `peer` (the catalog group's leader) to claim `table` for `group_id`. Raises
+        TableExists (another group owns it), NotLeader, NodeUnavailable."""
+        request = hastream_pb2.NameClaim(table=table, raft_group=group_id, nonce=nonce)
+        try:
+            self._stub(peer).ClaimTableName(request, timeout=_CATALOG_TIMEOUT_S)
+        except grpc.RpcError as error:
+            raise _typed(peer, error) from None
+
+    def release_name(self, peer: NodeAddress, table: str, group_id: int, nonce: bytes) -> None:
+        request = hastream_pb2.NameClaim(table=table, raft_group=group_id, nonce=nonce)
+        try:
+            self._stub(peer).ReleaseTableName(request, timeout=_CATALOG_TIMEOUT_S)
+        except grpc.RpcError as error:
+            raise _typed(peer, error) from None
+
+    def name_claims(self, peer: NodeAddress, catalog_group: int) -> dict[str, tuple[int, bytes]]:
+        """The catalog as `peer` has applied it: table -> (owning group, claim nonce)."""
+        request = hastream_pb2.GroupRequest(raft_group=catalog_group)
+        try:
+            reply = self._stub(peer).GetTableClaims(request, timeout=_CATALOG_TIMEOUT_S)
+        except grpc.RpcError as error:
+            raise _typed(peer, error) from None
+        return {claim.table: (claim.raft_group, claim.nonce) for claim in reply.claims}
+
+    def table_digest(
+        self, peer: NodeAddress, group_id: int, table: str, offset_from: int, offset_to: int
+    ) -> TableDigest:
+        request = hastream_pb2.TableDigestRequest(
+            raft_group=group_id, table=table, offset_from=offset_from, offset_to=offset_to
+        )
+        try:
+            reply = self._stub(peer).GetTableDigest(request, timeout=_DIGEST_TIMEOUT_S)
+        except grpc.RpcError as error:
+            raise _typed(peer, error) from None
+        return TableDigest(
+            offset_from=reply.offset_from,
+            offset_to=reply.offset_to,
+            records=reply.records,
+            digest=reply.digest,
+            earliest_offset=reply.earliest_offset,
+            row_count=reply.row_count,
+        )
+
+    def repair_table(self, peer: NodeAddress, group_id: int, table: str, reason: str) -> None:
+        request = hastream_pb2.RepairTableRequest(raft_group=group_id, table=table, reason=reason)
+        try:
+            self._stub(peer).RepairTable(request, timeout=_CATALOG_TIMEOUT_S)
+        except grpc.RpcError as error:
+            raise _typed(peer, error) from None
+
+    def transfer_leadership(
+        self, peer: NodeAddress, group_id: int, to_alias: str, timeout_s: float
+    ) -> str:
+        """Ask `peer` (the group's leader) to hand the group to `to_alias`; the new leader
+        (`host:port:alias`, advertised). Raises the peer's typed error (NotLeader,
+        TransferFailed...) or NodeUnavailable."""
+        request = hastream_pb2.TransferLeadershipRequest(
+            raft_group=group_id, to_node=to_alias, timeout_s=timeout_s
+        )
+        try:
+            reply = self._stub(peer).TransferLeadership(request, timeout=timeout_s + 5.0)
+        except grpc.RpcError as error:
+            raise _typed(peer, error) from None
+        return str(reply.leader)
 
     def close(self) -> None:
         with self._lock:
@@ -70,3 +147,13 @@ class PeerClient:
                 channel.close()
             self._channels.clear()
             self._stubs.clear()
+
+
+def _typed(peer: NodeAddress, error: grpc.RpcError) -> errors.RaftStoreError:
+    """The peer's typed error (from trailing metadata), or NodeUnavailable."""
+    call: Any = error  # a raised RpcError is also the call: it has trailing metadata
+    metadata = {k: v for k, v in call.trailing_metadata() or () if isinstance(v, str)}
+    typed = errors.from_wire(metadata)
+    if typed is not None:  # e.g. OffsetOutOfRange: the peer no longer holds the rows
+        return typed
+    return NodeUnavailable(f"peer {peer}: {error.code().name} {error.details()}")

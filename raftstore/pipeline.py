@@ -40,17 +40,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Final
 
-import grpc
-
-from proto import hastream_pb2 as pb
-from raftstore import commands, limits
-from raftstore.errors import (
+from hastream.errors import (
     InvalidArgument,
     LeadershipLost,
     NotLeader,
     ProposalTimeout,
     RaftStoreError,
 )
+from raftstore import commands, limits
 from raftstore.group import Group
 from raftstore.state_machine import ItemResult, TableMeta, validate_payload
 
@@ -64,12 +61,32 @@ Route = Callable[[str], Group]
 Answer = Future[tuple[int, ItemResult]]
 
 
+@dataclass(frozen=True, slots=True)
+class StreamedPublish:
+    """One request read from the stream (the servicer converts the wire message)."""
+
+    table: str
+    producer_id: bytes
+    sequence: int
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The answer to one request: committed at `lsn` with `result` (rows and offsets)."""
+
+    lsn: int
+    result: ItemResult
+    sequence: int
+
+
 @dataclass(slots=True)
 class _Pending:
     """One request read from the stream and not answered yet."""
 
     sequence: int
     size: int  # payload bytes
+    table: str
     group: Group | None
     deadline: float  # time.monotonic() by which it must be committed
     answer: Answer | None  # None when `error` is set
@@ -90,7 +107,7 @@ class PublishStream:
 
     def __init__(
         self,
-        messages: Iterator[pb.PublishBatch],
+        messages: Iterator[list[StreamedPublish]],
         *,
         route: Route,
         is_active: Callable[[], bool],
@@ -108,6 +125,7 @@ class PublishStream:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._pending_bytes = 0
         self._reading = True  # False once the client half-closed or the reader stopped
+        self._group: Group | None = None  # the one group this stream carries (reader thread)
         self._closed = False
         self._reader = threading.Thread(target=self._read, name="publish-stream", daemon=True)
 
@@ -119,7 +137,7 @@ class PublishStream:
                 message = self._next_message()
                 if message is None:
                     break  # the client half-closed, or the call ended
-                pending = self._submit_all(message.requests)
+                pending = self._submit_all(message)
                 with self._condition:
                     self._pending.extend(pending)
                     self._pending_bytes += sum(request.size for request in pending)
@@ -140,14 +158,12 @@ class PublishStream:
                 self._condition.wait(timeout=_POLL_S)
             return not self._closed
 
-    def _next_message(self) -> pb.PublishBatch | None:
-        try:
-            return next(self._messages, None)
-        except grpc.RpcError as error:  # the call ended under the reader (cancel, abort)
-            log.debug("publish stream ended while reading error=%r", error)
-            return None
+    def _next_message(self) -> list[StreamedPublish] | None:
+        """The next message's requests; None when the client half-closed or the call ended
+        (the servicer's iterator ends then)."""
+        return next(self._messages, None)
 
-    def _submit_all(self, requests: list[pb.PublishRequest]) -> list[_Pending]:
+    def _submit_all(self, requests: list[StreamedPublish]) -> list[_Pending]:
         """Validate the requests of one message in order and hand them to group commit,
         without waiting. Stops at the first refused request, which ends the list."""
         deadline = time.monotonic() + limits.PROPOSAL_TIMEOUT_S
@@ -156,7 +172,8 @@ class PublishStream:
                 "requests",
                 f"{len(requests)} in one message > {limits.PIPELINE_BATCH_REQUESTS_MAX}",
             )
-            return [_Pending(requests[0].sequence, 0, None, deadline, None, error)]
+            first = requests[0]
+            return [_Pending(first.sequence, 0, first.table, None, deadline, None, error)]
         targets: dict[str, _Target] = {}
         accepted: list[tuple[_Target, commands.AppendItem]] = []
         refused: _Pending | None = None
@@ -166,7 +183,7 @@ class PublishStream:
                 targets[request.table] = target
                 accepted.append((target, _item(request, target.meta)))
             except RaftStoreError as error:
-                refused = _Pending(request.sequence, 0, None, deadline, None, error)
+                refused = _Pending(request.sequence, 0, request.table, None, deadline, None, error)
                 break
         pending = self._propose(accepted, deadline)
         if refused is not None and len(pending) == len(accepted):
@@ -175,6 +192,16 @@ class PublishStream:
 
     def _target(self, table: str) -> _Target:
         group = self._route(table)
+        if self._group is None:
+            self._group = group
+        elif group is not self._group:
+            # One group per stream: its answers are in request order and the first failure
+            # ends it, which is only true of requests that share one group's log.
+            raise InvalidArgument(
+                "table",
+                f"{table!r} is in raft group {group.group_id}; this PublishStream carries "
+                f"raft group {self._group.group_id} (open one stream per group)",
+            )
         group.require_leader()
         return _Target(group, group.table_view(table).meta)
 
@@ -194,10 +221,20 @@ class PublishStream:
             try:
                 answers = target.group.submit_appends(items)
             except RaftStoreError as error:
-                pending.append(_Pending(items[0].sequence, 0, None, deadline, None, error))
+                first = items[0]
+                refused = _Pending(first.sequence, 0, first.table, None, deadline, None, error)
+                pending.append(refused)
                 return pending
             pending += [
-                _Pending(item.sequence, len(item.payload), target.group, deadline, answer, None)
+                _Pending(
+                    item.sequence,
+                    len(item.payload),
+                    item.table,
+                    target.group,
+                    deadline,
+                    answer,
+                    None,
+                )
                 for item, answer in zip(items, answers, strict=True)
             ]
             start = end
@@ -205,7 +242,7 @@ class PublishStream:
 
     # --- handler thread ----------------------------------------------------------------
 
-    def responses(self) -> Iterator[pb.PublishAcks]:
+    def responses(self) -> Iterator[list[Ack]]:
         """The answers, in request order, packed: every answer that is ready when the head
         one is goes into the same message. Raises the first failed request's error once the
         answers before it are sent (the caller makes it the call's status)."""
@@ -216,7 +253,7 @@ class PublishStream:
                 return
             acks, error = self._ready_answers(head)
             if acks:
-                yield pb.PublishAcks(responses=acks)
+                yield acks
             if error is not None:
                 raise error
 
@@ -230,12 +267,10 @@ class PublishStream:
                 self._condition.wait(timeout=_POLL_S)
             return self._pending[0]
 
-    def _ready_answers(
-        self, head: _Pending
-    ) -> tuple[list[pb.PublishResponse], RaftStoreError | None]:
+    def _ready_answers(self, head: _Pending) -> tuple[list[Ack], RaftStoreError | None]:
         """Wait for `head`, then take it and every following answer that is already done.
         Returns them and the error that ends the stream, if one of them failed."""
-        acks: list[pb.PublishResponse] = []
+        acks: list[Ack] = []
         pending: _Pending | None = head
         wait = True
         while pending is not None:  # bounded by the unanswered requests
@@ -252,7 +287,7 @@ class PublishStream:
                 pending = self._pending[0] if self._pending else None
         return acks, None
 
-    def _answer(self, pending: _Pending) -> pb.PublishResponse:
+    def _answer(self, pending: _Pending) -> Ack:
         if pending.error is not None:
             raise pending.error
         assert pending.answer is not None
@@ -260,8 +295,10 @@ class PublishStream:
         lsn, result = self._wait(pending, pending.group, pending.answer)
         if result.error is not None:
             raise result.error
-        pending.group.published_rows += result.row_count
-        return publish_response(lsn, result, pending.sequence)
+        # Arrival time: the deadline was set PROPOSAL_TIMEOUT_S after the message was read.
+        started_s = pending.deadline - limits.PROPOSAL_TIMEOUT_S
+        pending.group.record_publish(pending.table, result.row_count, pending.size, started_s)
+        return Ack(lsn, result, pending.sequence)
 
     def _wait(self, pending: _Pending, group: Group, answer: Answer) -> tuple[int, ItemResult]:
         while True:  # bounded by the proposal deadline
@@ -285,23 +322,11 @@ class PublishStream:
             self._condition.notify_all()
 
 
-def publish_response(lsn: int, result: ItemResult, sequence: int = 0) -> pb.PublishResponse:
-    """The answer to one committed publish (unary or pipelined)."""
-    return pb.PublishResponse(
-        lsn=lsn,
-        first_offset=result.first_offset,
-        row_count=result.row_count,
-        duplicates=result.duplicates,
-        duplicate_batch=result.duplicate_batch,
-        sequence=sequence,
-    )
-
-
 def _ready(pending: _Pending) -> bool:
     return pending.error is not None or (pending.answer is not None and pending.answer.done())
 
 
-def _item(request: pb.PublishRequest, meta: TableMeta) -> commands.AppendItem:
+def _item(request: StreamedPublish, meta: TableMeta) -> commands.AppendItem:
     """The contiguous item of a valid request. Raises InvalidArgument (producer id) or what
     `validate_payload` raises."""
     if len(request.producer_id) != commands.PRODUCER_ID_BYTES:
@@ -320,7 +345,5 @@ def _with_leader(error: NotLeader, group: Group) -> NotLeader:
     """A NotLeader without a leader, completed with the leader this node knows now."""
     if error.leader is not None:
         return error
-    leader = group.leader()
-    if leader is None or leader == group.settings.self_address:
-        return error
-    return NotLeader(str(leader), group.group_id)
+    hint = group.not_leader()
+    return error if hint.leader is None else hint

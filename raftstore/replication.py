@@ -1,4 +1,4 @@
-"""The only importer of pysyncobj: one Raft member of one group, made durable and fast.
+"""pysyncobj's adapter: one Raft member of one group, made durable and fast.
 
 pysyncobj 0.3.17 as shipped (PYSYNCOBJ-FACTS) never fsyncs its journal, loses the log tail
 when its dump-file compaction races a crash, corrupts entries >= appendEntriesBatchSizeBytes,
@@ -33,8 +33,13 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
    pysyncobj's send buffer is otherwise unbounded while a peer does not read.
 6. Peer authentication. pysyncobj unpickles whatever arrives on its port, so the port is
    bound to the configured address and every message must carry an AES-GMAC tag keyed with
-   the cluster secret (`_GmacAuthenticator`, replacing Fernet: authentication is what stops
-   remote code execution, and GMAC costs a fraction of AES-CBC+base64 on multi-MiB batches).
+   the cluster secret (`pysyncobj_patches.GmacAuthenticator`, replacing Fernet:
+   authentication is what stops remote code execution, and GMAC costs a fraction of
+   AES-CBC+base64 on multi-MiB batches).
+
+The process-wide patches (journal, encryptor, pickle protocol, compression, link timeouts)
+live in pysyncobj_patches.py with a guard on the pysyncobj version; the per-class ones are
+`_SyncObj`'s below.
 
 Our commands travel as `REGULAR` entries whose bytes are ours (`commands.py`), never pickle:
 `__doApplyCommand` is wrapped to hand them to the group's `apply` directly.
@@ -42,51 +47,57 @@ Our commands travel as `REGULAR` entries whose bytes are ours (`commands.py`), n
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import logging
 import os
-import socket
 import struct
-import zlib
+import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
-import pysyncobj.pickle as pysyncobj_pickle
-import pysyncobj.syncobj as pysyncobj_syncobj
 import pysyncobj.tcp_connection as pysyncobj_tcp_connection
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
-from pysyncobj.node import TCPNode
+from pysyncobj.syncobj import SyncObjExceptionWrongVer
 
-from raftstore import limits
-from raftstore.errors import LeadershipLost, NotLeader, Overloaded, RaftStoreError
+from hastream.errors import (
+    CorruptionError,
+    InvalidArgument,
+    LeadershipLost,
+    NotLeader,
+    Overloaded,
+    RaftStoreError,
+    TransferFailed,
+)
+from raftstore import limits, pysyncobj_patches
+from raftstore.identity import REJOIN_MARKER
+from raftstore.replica import STALLED, ApplyHooks, ProposalCallback, RoleSignal, Snapshot
+from raftstore.stats import (
+    CHECKPOINT_BUCKETS_S,
+    FSYNC_BUCKETS_S,
+    HistogramSnapshot,
+    LatencyHistogram,
+)
+from raftstore.storage import checkpoint, group_checkpoint
+from raftstore.storage.files import REAL_FILES, ensure_dir
+from raftstore.storage.group_checkpoint import GroupCheckpoint
 from raftstore.storage.journal import DurableJournal, Entry
 
 log = logging.getLogger(__name__)
 
 _REGULAR: Final = 0  # pysyncobj's _COMMAND_TYPE.REGULAR
 _TAG_REGULAR: Final = bytes([_REGULAR])
+_STATE_FOLLOWER: Final = 0  # pysyncobj's _RAFT_STATE.FOLLOWER
 _STATE_LEADER: Final = 2  # pysyncobj's _RAFT_STATE.LEADER
-_AUTH_SALT: Final = b"hastream-raft-peer-auth-v1"
-
-ProposalCallback = Callable[[Any, RaftStoreError | None], None]
-
-
-class ReplicaHooks(Protocol):
-    """What a Raft group provides to its replica. Every method runs on the tick thread."""
-
-    def apply(self, lsn: int, command: memoryview) -> Any: ...
-
-    def write_checkpoint(self, path: Path, last: Entry, previous: Entry) -> None: ...
-
-    def read_checkpoint(self, path: Path) -> tuple[Entry, Entry]: ...
-
-    def on_role_change(self, is_leader: bool) -> None: ...
-
-    def on_tick(self) -> None: ...
+# A leader in doubt asks a follower to take over this often, until one does.
+_TRANSFER_RETRY_S: Final = 0.2
+# A member whose journal failed a write stays in doubt this long after the last failure.
+_JOURNAL_TROUBLE_S: Final = 2.0
+# A checkpoint the applier wants is asked for at most this often.
+_CHECKPOINT_FORCE_S: Final = 1.0
+# A TimeoutNow that did not make the target stand for election is sent again after this.
+_TIMEOUT_NOW_RESEND_S: Final = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,165 +111,39 @@ class RaftSettings:
     checkpoint_interval_s: float
 
 
-# --- process-wide pysyncobj patches (identical on every node) ------------------------------
-
-
-class _GmacAuthenticator:
-    """Stands in for pysyncobj's Fernet encryptor: authenticates, does not encrypt.
-
-    Token: timestamp i64 | nonce (12) | tag (16) | data, where tag = AES-GCM over an empty
-    plaintext with `timestamp | data` as associated data (GMAC), keyed from the cluster
-    secret by PBKDF2. pysyncobj calls `extract_timestamp` then `decrypt` on every message; a
-    bad tag raises and pysyncobj drops the connection before anything is unpickled. GMAC runs
-    at several GB/s with AES-NI, 15x HMAC-SHA256 here, which matters for multi-MiB batches
-    sent to every follower. Nonces are a random per-process prefix and a counter, so they
-    never repeat within a process and collide across processes with odds of 2^-32 per pair.
-    """
-
-    _TIMESTAMP: Final = struct.Struct("<q")
-    _NONCE_BYTES: Final = 12
-    _TAG_BYTES: Final = 16
-
-    def __init__(self, secret: str) -> None:
-        key = hashlib.pbkdf2_hmac("sha256", secret.encode(), _AUTH_SALT, 100_000, dklen=16)
-        self._aead = AESGCM(key)
-        self._nonce_prefix = os.urandom(4)
-        self._counter = itertools.count()
-        self._verified: bytes | None = None
-
-    def encrypt_at_time(self, data: bytes, current_time: int) -> bytes:
-        timestamp = self._TIMESTAMP.pack(current_time)
-        nonce = self._nonce_prefix + next(self._counter).to_bytes(8, "little")
-        tag = self._aead.encrypt(nonce, b"", b"".join((timestamp, data)))
-        return b"".join((timestamp, nonce, tag, data))
-
-    def extract_timestamp(self, token: bytes) -> int:
-        head = self._TIMESTAMP.size + self._NONCE_BYTES + self._TAG_BYTES
-        if len(token) < head:
-            raise ValueError("token too short")
-        timestamp = token[: self._TIMESTAMP.size]
-        nonce = token[self._TIMESTAMP.size : self._TIMESTAMP.size + self._NONCE_BYTES]
-        tag = token[self._TIMESTAMP.size + self._NONCE_BYTES : head]
-        # Raises cryptography's InvalidTag on a forged or damaged message.
-        self._aead.decrypt(nonce, tag, b"".join((timestamp, memoryview(token)[head:])))
-        self._verified = token
-        (value,) = self._TIMESTAMP.unpack(timestamp)
-        return int(value)
-
-    def decrypt(self, token: bytes) -> bytes:
-        if token is not self._verified:
-            self.extract_timestamp(token)
-        self._verified = None
-        return token[self._TIMESTAMP.size + self._NONCE_BYTES + self._TAG_BYTES :]
-
-
-class _NoCompression:
-    """Replaces the `zlib` module inside pysyncobj's tcp_connection."""
-
-    error = zlib.error
-
-    @staticmethod
-    def compress(data: bytes, level: int = -1) -> bytes:
-        return data
-
-    @staticmethod
-    def decompress(data: bytes) -> bytes:
-        return data
-
-
-_patched = False
-
-
-def _create_journal(journal_file: str | None) -> DurableJournal:
-    assert journal_file is not None, "every group has a journal directory"
-    return DurableJournal(Path(journal_file))
-
-
-def _patch_pysyncobj() -> None:
-    global _patched
-    if _patched:
-        return
-    _patched = True
-    setattr(pysyncobj_pickle, "__protocol", 5)
-    pysyncobj_tcp_connection.zlib = _NoCompression
-    pysyncobj_syncobj.createJournal = _create_journal
-    pysyncobj_syncobj.getEncryptor = _GmacAuthenticator
-    pysyncobj_syncobj.HAS_CRYPTO = True
-    connection = pysyncobj_tcp_connection.TcpConnection
-    connection.send = _connection_send
-    connection._TcpConnection__processConnectionTimeout = _connection_timeout
-
-
-_original_connection_send = pysyncobj_tcp_connection.TcpConnection.send
-
-
-def _connection_send(self: Any, message: Any) -> None:
-    _original_connection_send(self, message)  # its timeout check sees the previous send
-    self._hastream_last_send = pysyncobj_tcp_connection.monotonicTime()
-    unsent = self.getSendBufferSize()
-    if unsent > limits.RAFT_SEND_BUFFER_BYTES_MAX:
-        log.warning("dropping raft link: %d unsent bytes, the peer is not reading", unsent)
-        self.disconnect()
-
-
-def _connection_timeout(self: Any) -> None:
-    # Replaces TcpConnection.__processConnectionTimeout, which drops a link after
-    # connectionTimeout without reads, checked on every send and every poll event. Silence
-    # only means a dead or frozen peer when this node has been talking to it; so a link is
-    # kept when bytes wait to be read (the peer is alive; the read that follows resets the
-    # clock) or when this node had not sent on it within the timeout either (an idle link:
-    # the message now being sent, e.g. a vote request, must go out, not be dropped).
-    now = pysyncobj_tcp_connection.monotonicTime()
-    timeout = self._TcpConnection__timeout
-    if now - self._TcpConnection__lastReadTime <= timeout:
-        return
-    state = self._TcpConnection__state
-    if state == pysyncobj_tcp_connection.CONNECTION_STATE.CONNECTING:
-        self.disconnect()
-        return
-    if _bytes_waiting(self._TcpConnection__socket):
-        return
-    if now - getattr(self, "_hastream_last_send", float("-inf")) <= timeout:
-        self.disconnect()
-
-
-def _bytes_waiting(sock: socket.socket | None) -> bool:
-    """True when a read on `sock` would not block: data, end of stream or an error."""
-    if sock is None:
-        return False
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 # --- the replica ---------------------------------------------------------------------------
 
 
 class _SyncObj(SyncObj):  # type: ignore[misc]
-    """pysyncobj's SyncObj with the durability hooks; no state, no business logic."""
+    """pysyncobj's SyncObj with the durability and doubt hooks; no business logic."""
 
-    def __init__(self, hooks: ReplicaHooks, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, replica: RaftReplica, *args: Any, **kwargs: Any) -> None:
         # Set before SyncObj.__init__: its tick thread may run before the constructor returns.
-        self._hooks = hooks
+        self._replica = replica
+        self._hooks = replica.hooks
         # Follower acknowledgements waiting for the fdatasync that makes them true.
         self._deferred_acks: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self._doubt_since: float | None = None
+        self._next_transfer_at = 0.0
+        self._checkpoint_forced_until = 0.0
         super().__init__(*args, **kwargs)
 
     def _sync_and_acknowledge(self) -> None:
         """fdatasync the journal once, then send every acknowledgement it made true."""
-        self._journal.sync()
+        if self._journal.dirty:
+            started = time.monotonic()
+            self._journal.sync()
+            self._replica.fsync_latency.observe(time.monotonic() - started)
+        else:
+            self._journal.sync()
         acks, self._deferred_acks = self._deferred_acks, []
         for args, kwargs in acks:
-            _original_send_next_node_idx(self, *args, **kwargs)
+            _send_next_node_idx(self, *args, **kwargs)
 
     @property
     def _journal(self) -> DurableJournal:
-        journal: DurableJournal = self._SyncObj__raftLog
-        return journal
+        adapter: pysyncobj_patches.PysyncobjJournal = self._SyncObj__raftLog
+        return adapter.durable
 
     def _checkCommandsToApply(self) -> None:
         super()._checkCommandsToApply()
@@ -270,12 +155,93 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
     def _onTick(self, timeToWait: float = 0.0) -> None:
         # Before the leader's commit computation counts this node: entries on disk. On a
         # follower, this one fdatasync covers every append_entries of the last poll.
-        journal = self._journal
-        self._sync_and_acknowledge()
-        super()._onTick(timeToWait)
-        if journal.bytes_total > limits.RAFT_LOG_BYTES_MAX:
+        try:
+            self._sync_and_acknowledge()
+            if self._replica.in_doubt():
+                self._stay_out_of_leadership()
+            else:
+                self._doubt_since = None
+            super()._onTick(timeToWait)
+        except OSError as error:
+            # The journal could not write (disk full, I/O error): it kept its state as it
+            # was (storage/journal.py). This member is in doubt until a write works again;
+            # what a peer sent meanwhile is resent (the leader's next message finds it
+            # missing here).
+            self._replica.journal_failed(error)
+        except CorruptionError:
+            # An fdatasync failed: the kernel may have dropped the pages. Only a restart,
+            # which reads the journal back from disk, knows what is durable.
+            log.critical("raft journal failed; stopping the node", exc_info=True)
+            logging.shutdown()
+            os._exit(70)
+        now = pysyncobj_tcp_connection.monotonicTime()
+        wanted = self._hooks.checkpoint_wanted() and now >= self._checkpoint_forced_until
+        if self._journal.bytes_total > limits.RAFT_LOG_BYTES_MAX or wanted:
+            self._checkpoint_forced_until = now + _CHECKPOINT_FORCE_S
             self.forceLogCompaction()
         self._hooks.on_tick()
+        self._replica.check_rejoined()
+        self._replica.observe_leader()
+        self._replica.drive_transfer()
+
+    def _stay_out_of_leadership(self) -> None:
+        """A replica in doubt does not stand for election, and hands leadership away: to the
+        most caught-up follower (Raft's TimeoutNow, pysyncobj's transferLeadership), or, if
+        none is ready within an election timeout, by stepping down."""
+        now = pysyncobj_tcp_connection.monotonicTime()
+        if self._doubt_since is None:
+            self._doubt_since = now
+        state = self._SyncObj__raftState
+        if state != _STATE_LEADER:
+            self._SyncObj__raftElectionDeadline = now + self._SyncObj__generateRaftTimeout()
+            return
+        if now >= self._next_transfer_at:
+            self._next_transfer_at = now + _TRANSFER_RETRY_S
+            self.transferLeadership()
+        if now - self._doubt_since > self._replica.settings.election_timeout_s:
+            log.warning("leader in doubt steps down group=%d", self._replica.settings.group_id)
+            self._SyncObj__setState(_STATE_FOLLOWER)
+            self._SyncObj__raftLeader = None
+            self._SyncObj__raftElectionDeadline = now + self._SyncObj__generateRaftTimeout()
+
+    def _SyncObj__tryLogCompaction(self) -> None:
+        # While in doubt the applied state is not whole: no checkpoint, keep the log (this
+        # also keeps pysyncobj from retrying a deferred checkpoint on every tick).
+        if self._replica.in_doubt():
+            return
+        serialized_before = self._SyncObj__lastSerializedEntry
+        _original_try_log_compaction(self)
+        if self._SyncObj__lastSerializedEntry != serialized_before:
+            # The checkpoint is in place and the journal cut before it (the cut fsyncs the
+            # directory both live in): the applier may drop what only older replays needed.
+            self._replica.checkpoint_durable()
+
+    def _SyncObj__applyLogEntries(self) -> bool:
+        # pysyncobj's loop (syncobj.py __applyLogEntries), except that an entry the applier
+        # answers STALLED is left unapplied: the loop stops, lastApplied stays, its proposer
+        # is not answered, and the same entry is offered again on a later tick.
+        need_send = False
+        last_applied = self._SyncObj__raftLastApplied
+        if self._SyncObj__raftCommitIndex > last_applied:
+            count = self._SyncObj__raftCommitIndex - last_applied
+            waiting = self._SyncObj__commandsWaitingCommit
+            for command, idx, term in self._SyncObj__getEntries(last_applied + 1, count):
+                try:
+                    result = self._SyncObj__doApplyCommand(command)
+                except SyncObjExceptionWrongVer as error:
+                    log.error("entry %d needs pysyncobj code version %d", idx, error.ver)
+                    break
+                if result is STALLED:
+                    break
+                for subscribed_term, callback in waiting.pop(idx, []):
+                    if subscribed_term == term:
+                        callback(result, FAIL_REASON.SUCCESS)
+                    else:
+                        callback(None, FAIL_REASON.DISCARDED)
+                self._SyncObj__raftLastApplied += 1
+            if not self._SyncObj__conf.appendEntriesUseBatch:
+                need_send = True
+        return need_send
 
 
 def _send_next_node_idx(self: _SyncObj, *args: Any, **kwargs: Any) -> None:
@@ -285,21 +251,39 @@ def _send_next_node_idx(self: _SyncObj, *args: Any, **kwargs: Any) -> None:
     if self._journal.dirty or self._deferred_acks:
         self._deferred_acks.append((args, kwargs))
         return
+    if kwargs.get("success") and self._replica.in_doubt():
+        # A replica in doubt acknowledges nothing: the leader must not count it toward a
+        # commit. Its log still takes the entries (applied once it is healthy); the leader's
+        # next heartbeat after that gets a fresh, true acknowledgement.
+        return
     _original_send_next_node_idx(self, *args, **kwargs)
 
 
 def _on_message_received(self: _SyncObj, node: Any, message: Any) -> Any:
+    if not isinstance(message, dict):
+        return _original_on_message_received(self, node, message)
+    kind = message.get("type")
+    if self._replica.rejoining:
+        if kind == "request_vote":
+            return None  # a rejoining replica may have lost its vote: it votes for nobody
+        if kind == "append_entries" and message.get("term", 0) >= self.raftCurrentTerm:
+            self._replica.heard_from_leader(int(message.get("commit_index", 0)))
+    if (
+        kind == "append_entries"
+        and message.get("entries")
+        and self._replica.in_doubt()
+        and self._journal.bytes_total > limits.DOUBT_LOG_BYTES_MAX
+    ):
+        # Bounded: a replica in doubt keeps at most this much unapplied log. The leader
+        # advanced its nextIndex already; once healthy, the next heartbeat finds the entries
+        # missing here and the leader resends them.
+        return None
     # pysyncobj sets nextIndex[follower] to the acknowledged index on every success, even
     # when it already sent entries past it (a late ack of an earlier message): its next send
     # would resend every in-flight entry, which the follower truncates, rewrites and fsyncs
     # again (59% of entries under load). A success never moves nextIndex backwards here; a
     # follower that really lacks entries answers success=False/reset=True, which still does.
-    if (
-        isinstance(message, dict)
-        and message.get("type") == "next_node_idx"
-        and message.get("success")
-        and not message.get("reset")
-    ):
+    if kind == "next_node_idx" and message.get("success") and not message.get("reset"):
         next_index = self._SyncObj__raftNextIndex
         before = next_index.get(node)
         result = _original_on_message_received(self, node, message)
@@ -314,10 +298,10 @@ def _do_apply_command(self: _SyncObj, command: bytes) -> Any:
         return _original_do_apply_command(self, command)
     lsn = self.raftLastApplied + 1  # entries are applied in order, one at a time
     try:
-        return self._hooks.apply(lsn, memoryview(command)[1:])
+        return self._replica.apply(lsn, memoryview(command)[1:])
     except BaseException:
-        # A failed apply would be retried forever by pysyncobj's tick loop, or skipped:
-        # either diverges the replica. Stop the process; a restart recovers from disk.
+        # The applier never raises for anything an entry holds or the disk does (it records
+        # a no-op, or stalls); an exception here is a bug. Stop rather than diverge.
         log.critical("apply failed; stopping the node lsn=%d", lsn, exc_info=True)
         logging.shutdown()
         os._exit(70)
@@ -326,6 +310,7 @@ def _do_apply_command(self: _SyncObj, command: bytes) -> Any:
 _original_send_next_node_idx = SyncObj._SyncObj__sendNextNodeIdx
 _original_on_message_received = SyncObj._SyncObj__onMessageReceived
 _original_do_apply_command = SyncObj._SyncObj__doApplyCommand
+_original_try_log_compaction = SyncObj._SyncObj__tryLogCompaction
 _SyncObj._SyncObj__sendNextNodeIdx = _send_next_node_idx
 _SyncObj._SyncObj__doApplyCommand = _do_apply_command
 _SyncObj._SyncObj__onMessageReceived = _on_message_received
@@ -347,16 +332,62 @@ def _failure(reason: int) -> RaftStoreError:
     return make()
 
 
+# The checkpoint trailer (storage/group_checkpoint.py): pysyncobj's last two entries, which
+# it needs to resume its log after the checkpoint: (idx u64 | term u64 | length u32 |
+# command) for the last applied entry, then the one before it.
+_TRAILER_ENTRY: Final = struct.Struct("<QQI")
+
+
+def _encode_trailer(last: Entry, previous: Entry) -> bytes:
+    parts: list[bytes] = []
+    for command, idx, term in (last, previous):
+        parts += [_TRAILER_ENTRY.pack(idx, term, len(command)), command]
+    return b"".join(parts)
+
+
+def _decode_trailer(path: Path, trailer: bytes) -> tuple[Entry, Entry]:
+    entries: list[Entry] = []
+    position = 0
+    for _ in range(2):
+        if position + _TRAILER_ENTRY.size > len(trailer):
+            raise CorruptionError(str(path), position, "checkpoint trailer is short")
+        idx, term, length = _TRAILER_ENTRY.unpack_from(trailer, position)
+        position += _TRAILER_ENTRY.size
+        command = trailer[position : position + length]
+        if len(command) != length:
+            raise CorruptionError(str(path), position, "checkpoint trailer entry is short")
+        entries.append((command, idx, term))
+        position += length
+    if position != len(trailer):
+        raise CorruptionError(str(path), position, "trailing bytes after the trailer entries")
+    return entries[0], entries[1]
+
+
+@dataclass(slots=True)
+class _Transfer:
+    """A leadership transfer under way: proposals are refused until it ends (`done`)."""
+
+    requested: str | None  # the member asked for (replica address); None: any caught-up one
+    deadline: float  # time.monotonic()
+    done: threading.Event = field(default_factory=threading.Event)
+    target: str | None = None  # the follower the last TimeoutNow went to
+    sent_at: float | None = None
+    last_index: int = 0  # the end of the log when TimeoutNow was sent
+    new_leader: str | None = None
+    error: RaftStoreError | None = None
+
+
 class RaftReplica:
     """One Raft member. Construct it on the process's main thread: pysyncobj's tick thread
     stops when the thread that built the SyncObj exits."""
 
-    def __init__(self, settings: RaftSettings, hooks: ReplicaHooks) -> None:
-        _patch_pysyncobj()
-        self._settings = settings
-        self._hooks = hooks
+    def __init__(self, settings: RaftSettings, hooks: ApplyHooks, role: RoleSignal) -> None:
+        pysyncobj_patches.install()
+        self.settings = settings
+        self.hooks = hooks
+        self._role = role
         directory = settings.directory
-        directory.mkdir(parents=True, exist_ok=True)
+        ensure_dir(REAL_FILES, directory, root=directory)
         checkpoint_path = directory / "checkpoint"
         host = settings.self_address.rsplit(":", 1)[0]
         timeout = settings.election_timeout_s
@@ -389,7 +420,7 @@ class RaftReplica:
             connectionRetryTime=0.5,
             commandsQueueSize=limits.RAFT_COMMAND_QUEUE_MAX,
             commandsWaitLeader=False,
-            logCompactionMinEntries=10**12,  # time- and size-driven only (see maybe_checkpoint)
+            logCompactionMinEntries=10**12,  # time- and size-driven only
             logCompactionMinTime=settings.checkpoint_interval_s,
             logCompactionSplit=False,
             logCompactionBatchSize=limits.RAFT_SNAPSHOT_CHUNK_BYTES,
@@ -398,7 +429,28 @@ class RaftReplica:
             maxBindRetries=30,
             bindRetryTime=0.5,
         )
+        # Until the checkpoint is loaded, the journal's entries are history the checkpoint
+        # already holds: pysyncobj offers them before it loads the file; they wait.
         self._checkpoint_pending_load = checkpoint_path.exists()
+        # Rejoining (identity.py): the commit index of the first leader heard, once known.
+        self._rejoin_marker = directory / REJOIN_MARKER
+        self.rejoining = self._rejoin_marker.exists()
+        self._rejoin_target: int | None = None
+        self._journal_trouble_until = 0.0
+        self._snapshot_lsn: int | None = None  # of the checkpoint being written
+        if self.rejoining:
+            log.warning("raft group %d rejoins: no vote until caught up", settings.group_id)
+        self._applied_at_start: int | None = None
+        # Observability (read by the metrics exporter; written on the tick thread).
+        self.fsync_latency = LatencyHistogram(FSYNC_BUCKETS_S)
+        self.checkpoint_latency = LatencyHistogram(CHECKPOINT_BUCKETS_S)
+        self.checkpoint_bytes_last = 0
+        self.leader_changes = 0
+        self._last_leader: str | None = None
+        # Leadership transfer (transfer_leadership): set by a request thread under the lock,
+        # driven and ended by the tick thread; `propose` refuses while it is set.
+        self._transfer_lock = threading.Lock()
+        self._transfer: _Transfer | None = None
         log.info(
             "starting raft member group=%d self=%s peers=%s host=%s",
             settings.group_id,
@@ -412,39 +464,87 @@ class RaftReplica:
 
     # --- hooks seen by pysyncobj (tick thread) ---
 
+    def in_doubt(self) -> bool:
+        """Not to lead, stand, or acknowledge: the applier's state is in doubt, this member
+        is rejoining with a log it rebuilds from the leader, or its journal failed a write
+        lately."""
+        if self._journal_trouble_until > pysyncobj_tcp_connection.monotonicTime():
+            return True
+        return self.rejoining or self.hooks.in_doubt()
+
+    def journal_failed(self, error: OSError) -> None:
+        now = pysyncobj_tcp_connection.monotonicTime()
+        if self._journal_trouble_until <= now:
+            log.error("raft journal write failed group=%d: %s", self.settings.group_id, error)
+        self._journal_trouble_until = now + _JOURNAL_TROUBLE_S
+
+    def heard_from_leader(self, commit_index: int) -> None:
+        if self._rejoin_target is None:
+            self._rejoin_target = commit_index
+            log.info(
+                "rejoining group=%d: catching up to the leader's commit index %d",
+                self.settings.group_id,
+                commit_index,
+            )
+
+    def check_rejoined(self) -> None:
+        """A rejoining member holds everything the leader had committed when it first heard
+        from it (so every entry it may have acknowledged before it lost its log): it votes
+        and acknowledges again. The marker goes durably."""
+        target = self._rejoin_target
+        if not self.rejoining or target is None or self.hooks.in_doubt():
+            return
+        if self.last_applied < target or self._checkpoint_pending_load:
+            return
+        self._rejoin_marker.unlink()
+        checkpoint.fsync_dir(self._rejoin_marker.parent)
+        self.rejoining = False
+        log.warning(
+            "rejoined group=%d at lsn=%d: a voting member again",
+            self.settings.group_id,
+            self.last_applied,
+        )
+
     def apply(self, lsn: int, command: memoryview) -> Any:
         if self._checkpoint_pending_load:
-            # Entries before the checkpoint load are replayed history the checkpoint
-            # already contains; applying them to an empty state would redo old drops.
-            return None
-        return self._hooks.apply(lsn, command)
-
-    def on_tick(self) -> None:
-        self._hooks.on_tick()
-
-    def on_role_change(self, is_leader: bool) -> None:
-        self._hooks.on_role_change(is_leader)
-
-    def write_checkpoint(self, path: Path, last: Entry, previous: Entry) -> None:
-        self._hooks.write_checkpoint(path, last, previous)
-
-    def read_checkpoint(self, path: Path) -> tuple[Entry, Entry]:
-        return self._hooks.read_checkpoint(path)
+            return STALLED
+        return self.hooks.apply(lsn, command)
 
     def _on_state_changed(self, old: int, new: int) -> None:
         if (old == _STATE_LEADER) != (new == _STATE_LEADER):
-            log.info(
-                "role change group=%d leader=%s", self._settings.group_id, new == _STATE_LEADER
-            )
-            self._hooks.on_role_change(new == _STATE_LEADER)
+            log.info("role change group=%d leader=%s", self.settings.group_id, new == _STATE_LEADER)
+            self._role.set(new == _STATE_LEADER)
+
+    def checkpoint_durable(self) -> None:
+        if self._snapshot_lsn is not None:
+            self.hooks.checkpoint_written(self._snapshot_lsn)
+            self._snapshot_lsn = None
 
     def _serialize(self, file_name: str, data: tuple[Entry, Entry, Any]) -> None:
+        started = time.monotonic()
         last, previous, _cluster = data
-        self._hooks.write_checkpoint(Path(file_name), _entry(last), _entry(previous))
+        snapshot = self.hooks.checkpoint()
+        self._snapshot_lsn = snapshot.lsn
+        body = group_checkpoint.encode(
+            GroupCheckpoint(
+                lsn=snapshot.lsn,
+                state=snapshot.state,
+                trailer=_encode_trailer(_entry(last), _entry(previous)),
+            )
+        )
+        checkpoint.write_atomic(Path(file_name), group_checkpoint.KIND, body)
+        self.checkpoint_bytes_last = len(body)
+        self.checkpoint_latency.observe(time.monotonic() - started)
 
     def _deserialize(self, file_name: str) -> tuple[Entry, Entry, list[Any]]:
+        path = Path(file_name)
         try:
-            last, previous = self._hooks.read_checkpoint(Path(file_name))
+            # A checkpoint a leader installed here was renamed into place without fsync, and
+            # pysyncobj clears the journal right after this returns: make it durable first.
+            _fsync_file_and_dir(path)
+            decoded = group_checkpoint.decode(checkpoint.read_checked(path, group_checkpoint.KIND))
+            last, previous = _decode_trailer(path, decoded.trailer)
+            self.hooks.restore(Snapshot(decoded.lsn, decoded.state))
             last, previous = self._trim_journal_to(last, previous)
         except BaseException:
             # pysyncobj would log this and boot with an empty state. Refuse to start.
@@ -468,7 +568,7 @@ class RaftReplica:
         if (held_previous[1:], held_last[1:]) != (previous[1:], last[1:]):
             return last, previous
         if position > 0:
-            journal.deleteEntriesTo(position)
+            journal.drop_first(position)
         return journal[1], journal[0]
 
     # --- API for the group (any thread) ---
@@ -483,7 +583,13 @@ class RaftReplica:
             else:
                 callback(None, _failure(reason))
 
-        self._sync_obj._applyCommand(_TAG_REGULAR + command, done)
+        with self._transfer_lock:
+            # Under the lock: once a transfer is set, nothing more enters pysyncobj's queue,
+            # so the target can hold every entry before it is asked to take over.
+            if self._transfer is None:
+                self._sync_obj._applyCommand(_TAG_REGULAR + command, done)
+                return
+        callback(None, LeadershipLost("leadership is being transferred"))
 
     def is_leader(self) -> bool:
         return bool(self._sync_obj._isLeader())
@@ -494,9 +600,166 @@ class RaftReplica:
         noop_idx = self._sync_obj._SyncObj__noopIDx
         return self.is_leader() and noop_idx is not None and self.last_applied >= noop_idx
 
+    def replayed(self) -> bool:
+        """Every entry this member knew as committed when it started is applied (and the
+        checkpoint is loaded): what NODE READY waits for."""
+        if self._checkpoint_pending_load:
+            return False
+        if self._applied_at_start is None:
+            self._applied_at_start = self._sync_obj._journal.commit_index
+        return self.last_applied >= min(self._applied_at_start, self.commit_index)
+
     def leader_address(self) -> str | None:
         leader = self._sync_obj._getLeader()
         return None if leader is None else str(leader.address)
+
+    # --- leadership transfer ---
+
+    def transfer_leadership(self, target: str | None, timeout_s: float) -> str:
+        """Hand this group's leadership to `target` (a member's replica address; None: the
+        first follower that holds every entry) and return the new leader's replica address.
+        Request thread; blocks up to `timeout_s`.
+
+        Raft's transfer (thesis 3.10): from now on proposals are refused (LeadershipLost:
+        the client retries, at the new leader); once everything proposed before is applied
+        here and the target's match index reaches the end of the log, pysyncobj's
+        `transferLeadership` sends it TimeoutNow and it stands for election at once, with
+        a log no voter can refuse. Raises NotLeader (not the leader), InvalidArgument (not a
+        member), TransferFailed (the target did not catch up or take over in time: this node
+        then takes proposals again). Concurrent requests join the one under way."""
+        if target == self.settings.self_address and self.is_leader():
+            return target
+        if target is not None and target not in self.settings.peer_addresses:
+            raise InvalidArgument("to", f"{target} is not a member of group {self.group_id}")
+        with self._transfer_lock:
+            if not self.is_leader():
+                raise NotLeader(None, self.group_id)
+            transfer = self._transfer
+            if transfer is None:
+                deadline = time.monotonic() + timeout_s
+                transfer = self._transfer = _Transfer(requested=target, deadline=deadline)
+                log.info("leadership transfer group=%d to=%s", self.group_id, target or "any")
+        # The tick thread ends it by its deadline; the margin covers a slow tick.
+        if not transfer.done.wait(timeout=timeout_s + 2.0):
+            raise TransferFailed(self.group_id, target, "the raft member did not answer")
+        if transfer.error is not None:
+            raise transfer.error
+        assert transfer.new_leader is not None, "a transfer ends with a leader or an error"
+        return transfer.new_leader
+
+    def transfer_target(self) -> str | None:
+        """While a transfer is under way: the member asked to take over ("" before one is
+        chosen); None otherwise."""
+        transfer = self._transfer
+        if transfer is None:
+            return None
+        return transfer.target or transfer.requested or ""
+
+    def await_transfer(self, timeout_s: float) -> None:
+        transfer = self._transfer
+        if transfer is not None:
+            transfer.done.wait(timeout=timeout_s)
+
+    def drive_transfer(self) -> None:
+        """Tick thread: advance the transfer under way, if any (transfer_leadership)."""
+        transfer = self._transfer
+        if transfer is None:
+            return
+        now = time.monotonic()
+        sync_obj = self._sync_obj
+        if sync_obj._SyncObj__raftState != _STATE_LEADER:
+            leader = self.leader_address()
+            # Done once the new leader committed its first entry (past the log handed over):
+            # it takes writes from then on.
+            if (
+                leader is not None
+                and leader != self.settings.self_address
+                and self.commit_index > transfer.last_index
+            ):
+                self._end_transfer(transfer, new_leader=leader)
+            elif now >= transfer.deadline:
+                reason = "stepped down, but no new leader was heard of in time"
+                self._end_transfer(transfer, error=reason)
+            return
+        if now >= transfer.deadline:
+            reason = (
+                "the target did not catch up in time"
+                if transfer.sent_at is None
+                else "the target did not take over in time"
+            )
+            self._end_transfer(transfer, error=reason)
+            return
+        if transfer.sent_at is not None and now - transfer.sent_at < _TIMEOUT_NOW_RESEND_S:
+            return
+        node = self._caught_up_follower(transfer.requested)
+        if node is None:
+            return  # replication (a heartbeat at most 50 ms away) brings it up to date
+        transfer.target = str(node.address)
+        transfer.sent_at = now
+        transfer.last_index = self._last_log_index()
+        log.info("sending TimeoutNow group=%d target=%s", self.group_id, transfer.target)
+        sync_obj.transferLeadership(node)
+
+    def _caught_up_follower(self, requested: str | None) -> Any:
+        """A connected follower (`requested`, or any) whose log holds every entry, once
+        everything this leader accepted is in its log and applied; else None."""
+        sync_obj = self._sync_obj
+        if sync_obj._SyncObj__commandsQueue._FastQueue__queue:
+            return None  # proposals accepted before the transfer are not in the log yet
+        last_index = sync_obj._SyncObj__getCurrentLogIndex()
+        if sync_obj.raftLastApplied < last_index:
+            return None  # answer them first: committed and applied here
+        match_index = sync_obj._SyncObj__raftMatchIndex
+        connected = sync_obj._SyncObj__connectedNodes
+        ready = sorted(
+            (str(node.address), node)
+            for node in sync_obj._SyncObj__otherNodes
+            if node in connected
+            and match_index.get(node, 0) >= last_index
+            and (requested is None or str(node.address) == requested)
+        )
+        return ready[0][1] if ready else None
+
+    def _end_transfer(
+        self, transfer: _Transfer, *, new_leader: str | None = None, error: str = ""
+    ) -> None:
+        if error:
+            transfer.error = TransferFailed(self.group_id, transfer.requested, error)
+            log.warning("leadership transfer failed group=%d: %s", self.group_id, error)
+        else:
+            transfer.new_leader = new_leader
+            log.info("leadership transferred group=%d leader=%s", self.group_id, new_leader)
+        with self._transfer_lock:
+            if self._transfer is transfer:
+                self._transfer = None
+        transfer.done.set()
+
+    def observe_leader(self) -> None:
+        """Tick thread: count changes of the leader this member knows (leader_changes)."""
+        leader = self._sync_obj._SyncObj__raftLeader
+        address = None if leader is None else str(leader.address)
+        if address != self._last_leader:
+            self._last_leader = address
+            if address is not None:
+                self.leader_changes += 1
+
+    @property
+    def group_id(self) -> int:
+        return self.settings.group_id
+
+    def _last_log_index(self) -> int:
+        """The index of the last entry in the log (any thread; 0 while it is empty)."""
+        try:
+            return int(self._sync_obj._SyncObj__getCurrentLogIndex())
+        except IndexError:
+            return 0
+
+    def latencies(self) -> dict[str, HistogramSnapshot]:
+        """fdatasync of the journal, and checkpoint writing (metrics.py)."""
+        return {
+            "fsync": self.fsync_latency.snapshot(),
+            "checkpoint": self.checkpoint_latency.snapshot(),
+        }
 
     def status(self) -> dict[str, Any]:
         raw = self._sync_obj.getStatus()
@@ -512,6 +775,10 @@ class RaftReplica:
             "has_quorum": bool(raw["has_quorum"]),
             "journal_bytes": self._sync_obj._journal.bytes_total,
             "journal_syncs": self._sync_obj._journal.syncs,
+            "last_log_index": self._last_log_index(),
+            "leader_changes": self.leader_changes,
+            "transfer_target": self.transfer_target(),
+            "checkpoint_bytes_last": self.checkpoint_bytes_last,
             "match_index": {
                 key.removeprefix("match_idx_server_"): int(value)
                 for key, value in raw.items()
@@ -530,17 +797,19 @@ class RaftReplica:
     def request_checkpoint(self) -> None:
         self._sync_obj.forceLogCompaction()
 
-    def add_tick_callback(self, callback: Callable[[], None]) -> None:
-        self._sync_obj.addOnTickCallback(callback)
-
     def close(self) -> None:
         self._sync_obj.destroy_synchronous()
+
+
+def _fsync_file_and_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    checkpoint.fsync_dir(path.parent)
 
 
 def _entry(raw: Any) -> Entry:
     command, idx, term = raw
     return bytes(command), int(idx), int(term)
-
-
-def make_node_address(address: str) -> TCPNode:
-    return TCPNode(address)

@@ -6,35 +6,42 @@ metadata (`errors.to_wire`), so the client rebuilds the same typed exception.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar
+from concurrent import futures
+from typing import Any, Final, Protocol, TypeVar
 
 import grpc
 import pyarrow as pa
+from grpc_health.v1 import health_pb2_grpc
 
-from proto import hastream_pb2 as pb
-from proto import hastream_pb2_grpc
-from raftstore import commands, limits
-from raftstore.errors import (
+from hastream.errors import (
+    CorruptionError,
     InvalidArgument,
-    NodeUnavailable,
-    NotLeader,
+    OffsetOutOfRange,
     RaftStoreError,
     TableExists,
     TableNotFound,
+    TooManyTables,
     TopicNotFound,
     UnknownGroup,
     to_wire,
 )
+from hastream.model import LOCAL_GROUP, topic_name
+from proto import hastream_pb2 as pb
+from proto import hastream_pb2_grpc
+from raftstore import commands, limits, routing
+from raftstore.catalog import Catalog
+from raftstore.config import ClusterConfig
+from raftstore.digest import table_digest
 from raftstore.group import Group
-from raftstore.model import LOCAL_GROUP, topic_name
-from raftstore.pipeline import PublishStream, publish_response
-from raftstore.state_machine import TableView
+from raftstore.pipeline import PublishStream, StreamedPublish
+from raftstore.state_machine import ItemResult, TableView
 from raftstore.subscriptions import follow, resolve_start
-from raftstore.tables import RowSlice
+from raftstore.tables import RowSlice, TableStore
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +52,18 @@ class NodeView(Protocol):
     """What the servicer needs from the node."""
 
     alias: str
+    catalog: Catalog
+    cluster: ClusterConfig
 
     def groups(self) -> list[Group]: ...
+
+    def ready(self) -> bool: ...
+
+    def housekeeping_status(self) -> dict[str, Any]: ...
+
+    def streaming_stat(self) -> dict[str, Any]: ...
+
+    def group_statuses(self) -> list[dict[str, Any]]: ...
 
     def group(self, group_id: int) -> Group: ...
 
@@ -118,6 +135,47 @@ def _rows_max(view: TableView, requested: int) -> int:
     return min(rows, limits.SUBSCRIBE_BATCH_ROWS_MAX)
 
 
+def publish_response(lsn: int, result: ItemResult, sequence: int = 0) -> pb.PublishResponse:
+    """The answer to one committed publish (unary or pipelined)."""
+    return pb.PublishResponse(
+        lsn=lsn,
+        first_offset=result.first_offset,
+        row_count=result.row_count,
+        duplicates=result.duplicates,
+        duplicate_batch=result.duplicate_batch,
+        sequence=sequence,
+    )
+
+
+def _streamed_publishes(messages: Iterator[pb.PublishBatch]) -> Iterator[list[StreamedPublish]]:
+    """The stream's requests as the domain's, message by message; ends when the client
+    half-closes or the call ends under the reader (cancelled, aborted)."""
+    try:
+        for message in messages:
+            yield [
+                StreamedPublish(
+                    table=request.table,
+                    producer_id=request.producer_id,
+                    sequence=request.sequence,
+                    payload=request.payload,
+                )
+                for request in message.requests
+            ]
+    except grpc.RpcError as error:
+        log.debug("publish stream ended while reading error=%r", error)
+
+
+@contextlib.contextmanager
+def _reporting_damage(group: Group, store: TableStore) -> Iterator[None]:
+    """A read that finds damage reports it, so the applier moves the table aside and
+    repairs it; the reader gets the CorruptionError (DATA_LOSS) and retries elsewhere."""
+    try:
+        yield
+    except CorruptionError as error:
+        group.applier.report_damage(store.meta.table, store.meta.created_lsn, error.detail)
+        raise
+
+
 class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     def __init__(self, node: NodeView) -> None:
         self._node = node
@@ -125,29 +183,12 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     # --- routing ---
 
     def _group_of(self, table: str, *, leader_only: bool = False) -> Group:
-        """The group holding `table` on this node.
-
-        A node that leads (and has applied) a group knows that group's tables for sure, so
-        it answers TableNotFound. A node that leads no group may simply not have applied a
-        table's creation yet: for requests only a leader serves it sends the client on
-        (NotLeader with the leader when it is in one group, else a retryable
-        NodeUnavailable) instead of a wrong TableNotFound."""
-        groups = self._node.groups()
-        for group in groups:
-            if group.has_table(table):
-                return group
-        raft_groups = [group for group in groups if group.group_id != LOCAL_GROUP]
-        if (
-            leader_only
-            and raft_groups
-            and not any(group.replica.is_leader_ready() for group in raft_groups)
-        ):
-            if len(raft_groups) == 1:
-                leader = raft_groups[0].leader()
-                if leader is not None and leader != raft_groups[0].settings.self_address:
-                    raise NotLeader(str(leader), raft_groups[0].group_id)
-            raise NodeUnavailable(f"table {table!r} unknown here and this node leads no group")
-        raise TableNotFound(table)
+        return routing.group_of(
+            self._node.groups(),
+            table,
+            leader_only=leader_only,
+            owner_of=routing.owner_in(self._node.catalog.authoritative_claims),
+        )
 
     def _table_info(self, group: Group, view: TableView) -> pb.TableInfo:
         store = group.store(view.meta.table)
@@ -167,9 +208,13 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     @unary
     def HaStreamTable(self, request: pb.CreateTableRequest, context: Any) -> pb.TableInfo:
         group = self._node.group(request.raft_group)
-        for other in self._node.groups():
+        groups = self._node.groups()
+        for other in groups:
             if other is not group and other.has_table(request.table):
-                raise TableExists(request.table)
+                raise TableExists(request.table, other.group_id)
+        tables = routing.table_count(groups)
+        if tables >= self._node.cluster.tables_max:
+            raise TooManyTables(request.table, tables, self._node.cluster.tables_max)
         command = commands.CreateTable(
             table=request.table,
             schema_ipc=request.schema_ipc,
@@ -177,15 +222,20 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             key_column=request.key_column or None,
             retention_minutes=request.retention_minutes or 1440,
         )
-        view = group.create_table(command)
+        if group.group_id == LOCAL_GROUP:  # node-local names: this node alone decides
+            view = group.create_table(command)
+        else:
+            view = self._node.catalog.create(group, command)
         log.info("created table group=%d table=%s", group.group_id, request.table)
         return self._table_info(group, view)
 
     @unary
     def DropStreamTable(self, request: pb.DropTableRequest, context: Any) -> pb.DropTableResponse:
-        self._group_of(request.table, leader_only=True).drop_table(
-            request.table, force=request.force
-        )
+        group = self._group_of(request.table, leader_only=True)
+        if group.group_id == LOCAL_GROUP:
+            group.drop_table(request.table, force=request.force)
+        else:
+            self._node.catalog.drop(group, request.table, force=request.force)
         return pb.DropTableResponse(table=request.table)
 
     @unary
@@ -213,12 +263,15 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         self, request_iterator: Iterator[pb.PublishBatch], context: Any
     ) -> Iterator[pb.PublishAcks]:
         stream = PublishStream(
-            request_iterator,
+            _streamed_publishes(request_iterator),
             route=lambda table: self._group_of(table, leader_only=True),
             is_active=context.is_active,
         )
         try:
-            yield from stream.responses()
+            for acks in stream.responses():
+                yield pb.PublishAcks(
+                    responses=[publish_response(a.lsn, a.result, a.sequence) for a in acks]
+                )
         finally:
             stream.close()
 
@@ -235,11 +288,12 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         log.info("subscription opened topic=%s offset=%d", topic, position)
         try:
             rows_max = _rows_max(view, request.batch_rows)
-            for slices in follow(group, store, position, rows_max, context.is_active):
-                if not slices:  # a heartbeat: no rows, the table's current length
-                    yield pb.RowBatch(row_count=0, table_row_count=store.row_count)
-                    continue
-                yield from _messages(slices, store.row_count)
+            with _reporting_damage(group, store):
+                for slices in follow(group, store, position, rows_max, context.is_active):
+                    if not slices:  # a heartbeat: no rows, the table's current length
+                        yield pb.RowBatch(row_count=0, table_row_count=store.row_count)
+                        continue
+                    yield from _messages(slices, store.row_count)
         finally:
             group.subscriber_closed(topic)
             log.info("subscription closed topic=%s", topic)
@@ -251,34 +305,39 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         view = group.table_view(request.table)
         end = store.row_count if request.offset_to < 0 else min(request.offset_to, store.row_count)
         if request.offset_from < store.earliest_offset or request.offset_from > end:
-            from raftstore.errors import OffsetOutOfRange
-
             raise OffsetOutOfRange(request.table, request.offset_from, store.earliest_offset, end)
         position = request.offset_from
         rows_max = _rows_max(view, request.batch_rows)
-        while position < end and context.is_active():
-            slices = store.read(position, end, rows_max)
-            if not slices:
-                break
-            yield from _messages(slices, store.row_count)
-            position = slices[-1].first_offset + slices[-1].batch.num_rows
+        with _reporting_damage(group, store):
+            while position < end and context.is_active():
+                slices = store.read(position, end, rows_max)
+                if not slices:
+                    break
+                yield from _messages(slices, store.row_count)
+                position = slices[-1].first_offset + slices[-1].batch.num_rows
 
     @streaming
     def FetchRecords(
         self, request: pb.FetchRecordsRequest, context: Any
     ) -> Iterator[pb.DataRecord]:
-        store = self._node.group(request.raft_group).store(request.table)
+        group = self._node.group(request.raft_group)
+        if request.created_lsn:
+            group.applier.check_incarnation(request.table, request.created_lsn)
+        store = group.store(request.table)  # refused while this replica is in doubt
+        if request.created_lsn and store.meta.created_lsn != request.created_lsn:
+            raise TableNotFound(request.table)  # dropped and re-created since the check
         end = min(request.offset_to, store.row_count)
-        for record in store.records(request.offset_from, end):
-            if record.first_offset >= end or not context.is_active():
-                break
-            yield pb.DataRecord(
-                lsn=record.lsn,
-                first_offset=record.first_offset,
-                row_count=record.row_count,
-                timestamp_ms=record.timestamp_ms,
-                payload=bytes(record.payload),
-            )
+        with _reporting_damage(group, store):
+            for record in store.records(request.offset_from, end):
+                if record.first_offset >= end or not context.is_active():
+                    break
+                yield pb.DataRecord(
+                    lsn=record.lsn,
+                    first_offset=record.first_offset,
+                    row_count=record.row_count,
+                    timestamp_ms=record.timestamp_ms,
+                    payload=bytes(record.payload),
+                )
 
     # --- offsets ---
 
@@ -321,63 +380,131 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def GetStreamingRaftGroups(self, request: pb.Empty, context: Any) -> pb.RaftGroups:
+        raft_groups = [g for g in self._node.groups() if g.group_id != LOCAL_GROUP]
+        tables = routing.one_group_per_name(
+            {group.group_id: group.table_names() for group in raft_groups},
+            routing.owner_in(self._node.catalog.authoritative_claims),
+        )
         groups = []
-        for group in self._node.groups():
-            if group.group_id == LOCAL_GROUP:
-                continue
+        for group in raft_groups:
             leader = group.leader()
             groups.append(
                 pb.RaftGroupInfo(
                     raft_group=group.group_id,
                     sites=self._node.group_sites(group.group_id),
                     leader="" if leader is None else str(leader),
-                    tables=group.table_names(),
+                    tables=tables[group.group_id],
                 )
             )
         return pb.RaftGroups(groups=groups)
 
     @unary
     def GetStreamingStat(self, request: pb.Empty, context: Any) -> pb.JsonDocument:
-        return pb.JsonDocument(json=json.dumps(self._stat()))
+        return pb.JsonDocument(json=json.dumps(self._node.streaming_stat()))
 
-    def _stat(self) -> dict[str, Any]:
-        publish, subscriptions = [], []
-        for group in self._node.groups():
-            status = group.status()
-            for table, stats in status["table_stats"].items():
-                publish.append({"raft_group": group.group_id, "table": table, **stats})
-            topics = group.topics()
-            for topic, count in status["subscriptions"].items():
-                table = topic.rpartition("/")[0]
-                rows = status["table_stats"].get(table, {}).get("row_count", 0)
-                offset = topics.get(topic, -1)
-                subscriptions.append(
-                    {
-                        "topic": topic,
-                        "connections": count,
-                        "persisted_offset": offset,
-                        "lag": rows - 1 - offset,
-                    }
-                )
-        return {
-            "alias": self._node.alias,
-            "tables": publish,
-            "subscriptions": subscriptions,
-            "topics": {
-                topic: o for group in self._node.groups() for topic, o in group.topics().items()
-            },
-            "groups": [self._group_status(group) for group in self._node.groups()],
-        }
+    @unary
+    def TransferLeadership(
+        self, request: pb.TransferLeadershipRequest, context: Any
+    ) -> pb.LeaderInfo:
+        if request.raft_group == LOCAL_GROUP:
+            raise UnknownGroup(request.raft_group)
+        group = self._node.group(request.raft_group)
+        timeout_s = request.timeout_s or limits.TRANSFER_TIMEOUT_S_DEFAULT
+        if not 0 < timeout_s <= limits.TRANSFER_TIMEOUT_S_MAX:
+            reason = f"must be in (0, {limits.TRANSFER_TIMEOUT_S_MAX}] seconds"
+            raise InvalidArgument("timeout_s", reason)
+        leader = group.transfer_leadership(request.to_node or None, timeout_s)
+        return pb.LeaderInfo(raft_group=group.group_id, leader=str(leader))
 
-    def _group_status(self, group: Group) -> dict[str, Any]:
-        status = group.status()
-        status.pop("table_stats")
-        return status
+    # --- peers: the catalog of table names ---
+
+    @unary
+    def ClaimTableName(self, request: pb.NameClaim, context: Any) -> pb.Empty:
+        self._node.catalog.serve_claim(request.table, request.raft_group, request.nonce)
+        return pb.Empty()
+
+    @unary
+    def ReleaseTableName(self, request: pb.NameClaim, context: Any) -> pb.Empty:
+        self._node.catalog.serve_release(request.table, request.raft_group, request.nonce)
+        return pb.Empty()
+
+    @unary
+    def GetTableClaims(self, request: pb.GroupRequest, context: Any) -> pb.NameClaims:
+        claims = self._node.catalog.serve_claims()
+        return pb.NameClaims(
+            claims=[
+                pb.NameClaim(table=table, raft_group=group_id, nonce=nonce)
+                for table, (group_id, nonce) in sorted(claims.items())
+            ]
+        )
+
+    # --- peers: replicas compare themselves ---
+
+    @unary
+    def GetTableDigest(self, request: pb.TableDigestRequest, context: Any) -> pb.TableDigest:
+        group = self._node.group(request.raft_group)
+        store = group.store(request.table)  # refused while this replica is in doubt
+        with _reporting_damage(group, store):
+            found = table_digest(store, request.offset_from, request.offset_to)
+        return pb.TableDigest(
+            offset_from=found.offset_from,
+            offset_to=found.offset_to,
+            records=found.records,
+            digest=found.digest,
+            earliest_offset=found.earliest_offset,
+            row_count=found.row_count,
+        )
+
+    @unary
+    def RepairTable(self, request: pb.RepairTableRequest, context: Any) -> pb.Empty:
+        group = self._node.group(request.raft_group)
+        view = group.table_view(request.table)
+        log.error(
+            "asked to repair group=%d table=%s reason=%s",
+            request.raft_group,
+            request.table,
+            request.reason[:200],
+        )
+        group.applier.report_damage(request.table, view.meta.created_lsn, request.reason[:200])
+        return pb.Empty()
 
     @unary
     def GetNodeStatus(self, request: pb.Empty, context: Any) -> pb.JsonDocument:
         document = {
             "alias": self._node.alias,
-            "groups": [self._group_status(group) for group in self._node.groups()],
+            "ready": self._node.ready(),
+            "groups": self._node.group_statuses(),
+            **self._node.housekeeping_status(),
         }
         return pb.JsonDocument(json=json.dumps(document))
+
+
+GRPC_WORKERS: Final = 64
+
+
+def start_server(node: NodeView, address: str, *, health: Any = None) -> grpc.Server:
+    """Serve the StreamTable service of `node` on `address` ("host:port"), and `health`
+    (a grpc.health.v1 HealthServicer) beside it when given. Raises OSError when the port
+    cannot be bound."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="grpc"),
+        options=[
+            ("grpc.max_receive_message_length", limits.GRPC_MESSAGE_BYTES_MAX),
+            ("grpc.max_send_message_length", limits.GRPC_MESSAGE_BYTES_MAX),
+            ("grpc.so_reuseport", 0),
+            # Let clients probe idle streams (a subscriber must notice a frozen leader).
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 2_000),
+            ("grpc.http2.max_ping_strikes", 0),
+        ],
+        maximum_concurrent_rpcs=GRPC_WORKERS - 4,
+    )
+    hastream_pb2_grpc.add_StreamTableServicer_to_server(StreamTableService(node), server)
+    if health is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot bind gRPC port {address}")
+    server.start()
+    return server

@@ -27,19 +27,7 @@ from typing import Any, Final
 
 import pyarrow as pa
 
-from raftstore import limits
-from raftstore.commands import (
-    Append,
-    AppendItem,
-    Command,
-    CommitOffset,
-    CreateTable,
-    DropTable,
-    Noop,
-    RemoveOffset,
-)
-from raftstore.dedup import KeyWindow, ProducerRecord, ProducerWindow
-from raftstore.errors import (
+from hastream.errors import (
     BatchTooLarge,
     EmptyBatch,
     InvalidArgument,
@@ -50,6 +38,20 @@ from raftstore.errors import (
     TableNotFound,
     TopicNotFound,
 )
+from raftstore import limits
+from raftstore.commands import (
+    Append,
+    AppendItem,
+    ClaimName,
+    Command,
+    CommitOffset,
+    CreateTable,
+    DropTable,
+    Noop,
+    ReleaseName,
+    RemoveOffset,
+)
+from raftstore.dedup import KeyWindow, ProducerRecord, ProducerWindow
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,7 @@ class CreateTableFiles:
 @dataclass(frozen=True, slots=True)
 class DropTableFiles:
     table: str
+    created_lsn: int  # the incarnation: a re-created table of the same name has its own files
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +157,8 @@ class AppendResult:
 
 @dataclass(frozen=True, slots=True)
 class CommandResult:
-    """Outcome of CreateTable, DropTable, CommitOffset, RemoveOffset and Noop. `offset`: the
-    committed offset (CommitOffset) or the removed one (RemoveOffset)."""
+    """Outcome of every command but Append. `offset`: the committed offset (CommitOffset)
+    or the removed one (RemoveOffset)."""
 
     lsn: int
     error: RaftStoreError | None
@@ -428,6 +431,9 @@ class GroupStateMachine:
         self._tables: dict[str, _Table] = {}
         self._topics: dict[str, int] = {}
         self._producers = ProducerWindow(producers_max)
+        # The catalog (used in the catalog group only): table name -> (owning group, nonce
+        # of the claim).
+        self._names: dict[str, tuple[int, bytes]] = {}
 
     @property
     def group_id(self) -> int:
@@ -460,8 +466,22 @@ class GroupStateMachine:
         states = sorted(self._tables.items())  # One atomic copy: apply may run meanwhile.
         return [TableView(state.meta, state.row_count, state.lsn_last) for _, state in states]
 
+    def key_window_rows(self) -> dict[str, int]:
+        """Keys held in each keyed table's dedup window (for metrics)."""
+        states = sorted(self._tables.items())  # One atomic copy: apply may run meanwhile.
+        return {
+            name: len(state.key_window) for name, state in states if state.key_window is not None
+        }
+
     def topic_offset(self, topic: str) -> int | None:
         return self._topics.get(topic)
+
+    def name_claim(self, table: str) -> tuple[int, bytes] | None:
+        """(owning group, claim nonce) of a table name in the catalog; None if free."""
+        return self._names.get(table)
+
+    def name_claims(self) -> dict[str, tuple[int, bytes]]:
+        return dict(self._names)
 
     def topics(self) -> dict[str, int]:
         return dict(self._topics)
@@ -501,6 +521,10 @@ class GroupStateMachine:
                 result = self._apply_remove_offset(lsn, topic)
             case Noop():
                 result = CommandResult(lsn, None)
+            case ClaimName():
+                result = self._apply_claim(lsn, command)
+            case ReleaseName():
+                result = self._apply_release(lsn, command)
             case _:
                 raise AssertionError(f"not a command: {type(command).__name__}")
         self._lsn_applied = lsn
@@ -529,14 +553,30 @@ class GroupStateMachine:
         return CommandResult(lsn, None)
 
     def _apply_drop(self, lsn: int, table: str, effects: list[Effect]) -> CommandResult:
-        if table not in self._tables:
+        state = self._tables.pop(table, None)
+        if state is None:
             return CommandResult(lsn, TableNotFound(table))
-        del self._tables[table]
         prefix = f"{table}/"
         for topic in [topic for topic in self._topics if topic.startswith(prefix)]:
             del self._topics[topic]
-        effects.append(DropTableFiles(table))
+        effects.append(DropTableFiles(table, state.meta.created_lsn))
         log.info("table dropped group=%d table=%s lsn=%d", self._group_id, table, lsn)
+        return CommandResult(lsn, None)
+
+    def _apply_claim(self, lsn: int, command: ClaimName) -> CommandResult:
+        table = command.table
+        if not _TABLE_NAME.fullmatch(table) or len(table) > limits.TABLE_NAME_BYTES_MAX:
+            return CommandResult(lsn, InvalidArgument("table", f"{table!r} is not a table name"))
+        claim = self._names.get(table)
+        if claim is not None and claim[0] != command.group_id:
+            return CommandResult(lsn, TableExists(table, claim[0]))
+        # Free, or already this group's (a retried create): the newest claim's nonce wins.
+        self._names[table] = (command.group_id, command.nonce)
+        return CommandResult(lsn, None)
+
+    def _apply_release(self, lsn: int, command: ReleaseName) -> CommandResult:
+        if self._names.get(command.table) == (command.group_id, command.nonce):
+            del self._names[command.table]
         return CommandResult(lsn, None)
 
     def _apply_commit_offset(self, lsn: int, topic: str, offset: int) -> CommandResult:
@@ -679,6 +719,10 @@ class GroupStateMachine:
             "tables": tables,
             "topics": self._topics,
             "producers": self._producers.to_json(),
+            "names": {
+                table: [group_id, nonce.hex()]
+                for table, (group_id, nonce) in sorted(self._names.items())
+            },
         }
         return json.dumps(document, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
@@ -714,6 +758,10 @@ class GroupStateMachine:
             str(topic): _integer(offset) for topic, offset in document["topics"].items()
         }
         self._producers = ProducerWindow.from_json(document["producers"], self._producers_max)
+        self._names = {
+            str(table): (_integer(group_id), bytes.fromhex(nonce))
+            for table, (group_id, nonce) in document.get("names", {}).items()
+        }
 
     def _load_table(self, entry: dict[str, Any]) -> None:
         schema_ipc = base64.b64decode(entry["schema_ipc"], validate=True)

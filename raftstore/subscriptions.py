@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Final
 
+from hastream.errors import OffsetOutOfRange, TableNotFound
+from hastream.model import OFFSET_EARLIEST, OFFSET_LATEST, OFFSET_PERSISTED, topic_name
 from raftstore import limits
-from raftstore.errors import NotLeader, OffsetOutOfRange, TableNotFound
 from raftstore.group import Group
-from raftstore.model import OFFSET_EARLIEST, OFFSET_LATEST, OFFSET_PERSISTED, topic_name
 from raftstore.tables import RowSlice, TableStore
 
 # How long a subscription waits for new rows before it re-checks leadership and liveness.
@@ -47,14 +47,16 @@ def follow(
 ) -> Iterator[list[RowSlice]]:
     """Yield lists of row slices from `position` on, waiting for new rows, until the client
     goes away; an empty list after SUBSCRIBE_HEARTBEAT_S without rows (a heartbeat). Raises
-    NotLeader when leadership is lost, TableNotFound when dropped."""
+    NotLeader when leadership is lost, ReplicaInDoubt when this replica stops being
+    trusted (it never sends a row from a replica in doubt), TableNotFound when dropped."""
     rows_max = min(rows_max or limits.SUBSCRIBE_BATCH_ROWS_MAX, limits.SUBSCRIBE_BATCH_ROWS_MAX)
-    epoch = group.epoch
+    role = group.role
+    epoch = role.epoch
     sent_at = time.monotonic()
     while is_active():
-        if group.epoch != epoch or not group.replica.is_leader():
-            leader = group.leader()
-            raise NotLeader(None if leader is None else str(leader), group.group_id)
+        if role.epoch != epoch or not group.is_leader():
+            raise group.not_leader()
+        group.require_serving()
         if store.closed:
             raise TableNotFound(store.meta.table)
         slices = store.read(position, store.row_count, rows_max)
@@ -69,5 +71,5 @@ def follow(
             sent_at = time.monotonic()
             continue
         with store.changed:
-            if store.row_count <= position and not store.closed and group.epoch == epoch:
+            if store.row_count <= position and not store.closed and role.epoch == epoch:
                 store.changed.wait(_WAIT_S)

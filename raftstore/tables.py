@@ -1,7 +1,8 @@
 """One table on one node: its data files, its in-memory cache, and wakeups for subscribers.
 
-Written by the apply path (tick thread), read by gRPC threads. The cache holds the newest
-`cacheLimit` rows as Arrow record batches; older rows are read back from the data files.
+Written by the applier (the replica's apply thread), read by gRPC threads. The cache holds
+the newest `cacheLimit` rows as Arrow record batches; older rows are read back from the data
+files.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from raftstore.state_machine import TableMeta
+from raftstore.storage.files import REAL_FILES, Files
 from raftstore.storage.segments import DataRecord, TableLog
 
 log = logging.getLogger(__name__)
@@ -30,36 +32,22 @@ class RowSlice:
 
 
 class TableStore:
-    def __init__(self, meta: TableMeta, directory: Path) -> None:
+    def __init__(self, meta: TableMeta, directory: Path, *, files: Files = REAL_FILES) -> None:
         self.meta = meta
         self.directory = directory
-        self.log = TableLog(directory)
+        self.log = TableLog(directory, files=files)
         self._cache: collections.deque[RowSlice] = collections.deque()
         self._cache_rows = 0
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)
         self.closed = False
 
-    # --- writes (tick thread) ---
+    # --- writes (the applier's thread) ---
 
-    def append(self, lsn: int, first_offset: int, batch: pa.RecordBatch, timestamp_ms: int) -> bool:
-        """Append unless the data files already hold these rows (a replay after restart).
-        Returns whether it wrote.
-
-        Replays are recognised by offset, not LSN alone: one Raft entry (group commit) can
-        carry several batches for the same table, all with the entry's LSN."""
-        if first_offset < self.log.row_count:
-            assert lsn <= self.log.lsn_last, (
-                f"rows at offset {first_offset} already on disk but lsn {lsn} is new"
-            )
-            assert first_offset + batch.num_rows <= self.log.row_count, (
-                f"replayed rows [{first_offset}, {first_offset + batch.num_rows}) straddle "
-                f"the end of the data files ({self.log.row_count} rows)"
-            )
-            return False
-        assert first_offset == self.log.row_count, (
-            f"offset gap in {self.meta.table}: {first_offset} != {self.log.row_count}"
-        )
+    def append(self, lsn: int, first_offset: int, batch: pa.RecordBatch, timestamp_ms: int) -> None:
+        """Write rows [first_offset, first_offset + num_rows), which must follow the last
+        (the applier decides what a replay skips). Raises OSError from the disk (nothing
+        written), CorruptionError if an earlier failed write could not be undone."""
         payload = batch.serialize()
         self.log.append(
             DataRecord(
@@ -73,25 +61,14 @@ class TableStore:
         with self._lock:
             self._cache_add(RowSlice(first_offset, batch))
             self.changed.notify_all()
-        return True
 
-    def append_record(self, record: DataRecord) -> None:
-        """Append a record fetched from a peer (catch-up), byte for byte."""
-        self.log.append(record)
-        with self._lock:
-            # The cache must stay contiguous: drop it rather than leave a hole before `record`.
-            self._cache.clear()
-            self._cache_rows = 0
-            self.changed.notify_all()
+    def sync(self) -> None:
+        """Make every appended row durable (before a checkpoint lets the Raft log go)."""
+        self.log.sync()
 
-    def start_at(self, offset: int) -> None:
-        """Continue an empty table at `offset` (catch-up when the peers' retention already
-        removed the rows before it; see TableLog.start_at)."""
-        self.log.start_at(offset)
-        with self._lock:
-            self._cache.clear()
-            self._cache_rows = 0
-            self.changed.notify_all()
+    def remove_segments_before(self, timestamp_ms: int, *, keep_rows: int) -> int:
+        """Retention (see TableLog.remove_segments_before)."""
+        return self.log.remove_segments_before(timestamp_ms, keep_rows=keep_rows)
 
     def _cache_add(self, rows: RowSlice) -> None:
         self._cache.append(rows)
@@ -104,16 +81,12 @@ class TableStore:
             self._cache_rows -= evicted.batch.num_rows
 
     def close(self) -> None:
+        """Close the files (no sync: call `sync` first). Subscribers waiting on this table
+        wake up and see `closed`."""
         with self._lock:
             self.closed = True
             self.changed.notify_all()
         self.log.close()
-
-    def destroy(self) -> None:
-        with self._lock:
-            self.closed = True
-            self.changed.notify_all()
-        self.log.destroy()
 
     def wake(self) -> None:
         with self._lock:
@@ -128,6 +101,11 @@ class TableStore:
     @property
     def earliest_offset(self) -> int:
         return self.log.earliest_offset
+
+    @property
+    def lsn_last(self) -> int:
+        """LSN of the entry that wrote the last rows on disk (0 if none)."""
+        return self.log.lsn_last
 
     def read(self, offset_from: int, offset_to: int, rows_max: int) -> list[RowSlice]:
         """Rows in [offset_from, min(offset_to, offset_from + rows_max)), from the cache when
@@ -160,7 +138,26 @@ class TableStore:
         return pa.concat_arrays(chunks)
 
     def records(self, offset_from: int, offset_to: int) -> Iterator[DataRecord]:
-        return self.log.read(offset_from, offset_to)
+        """The records holding rows [offset_from, offset_to), the first cut to begin exactly
+        at offset_from: a replica repairing from here asks from its own row count, which
+        need not fall on one of this replica's record boundaries (e.g. after a repair that
+        restarted at a peer's retention point). Rows are the same at the same offsets on
+        every replica; record boundaries are an accident of each replica's history."""
+        for record in self.log.read(offset_from, offset_to):
+            if record.first_offset < offset_from:
+                record = self._cut(record, offset_from)
+            yield record
+
+    def _cut(self, record: DataRecord, offset_from: int) -> DataRecord:
+        batch = pa.ipc.read_record_batch(pa.py_buffer(record.payload), self.meta.schema)
+        rest = batch.slice(offset_from - record.first_offset)
+        return DataRecord(
+            lsn=record.lsn,
+            first_offset=offset_from,
+            row_count=rest.num_rows,
+            timestamp_ms=record.timestamp_ms,
+            payload=memoryview(rest.serialize()),
+        )
 
 
 def _slice(slices: list[RowSlice], offset_from: int, offset_to: int) -> list[RowSlice]:

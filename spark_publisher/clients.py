@@ -18,6 +18,7 @@ from typing import Final
 
 from api_clients import Session
 from api_clients.connection import ATTEMPT_TIMEOUT_S_DEFAULT
+from hastream import wire
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,6 @@ _lock = threading.Lock()
 _sessions: dict[tuple[int, tuple[str, ...], float], Session] = {}
 # Sessions are cheap (no I/O until used) but hold channels: bound them per process.
 SESSIONS_MAX: Final = 64
-PRODUCER_ID_BYTES: Final = 16
 
 
 def session(sites: tuple[str, ...], timeout_s: float) -> Session:
@@ -61,4 +61,4 @@ def producer_id(*parts: object) -> bytes:
     micro-batch derives the same id, so the cluster answers its repeated sequences from its
     producer window instead of appending the rows again."""
     text = "\x1f".join(str(part) for part in parts)
-    return hashlib.blake2b(text.encode(), digest_size=PRODUCER_ID_BYTES).digest()
+    return hashlib.blake2b(text.encode(), digest_size=wire.PRODUCER_ID_BYTES).digest()

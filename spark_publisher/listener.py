@@ -24,9 +24,8 @@ from typing import Any
 from pyspark.sql.streaming.listener import StreamingQueryListener
 
 from api_clients import RaftStoreError
-from spark_publisher import clients
+from spark_publisher.cluster import PLANNING_TIMEOUT_S, commit_offset, table_info
 from spark_publisher.options import parse
-from spark_publisher.source import PLANNING_TIMEOUT_S, commit_offset, table_info
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +100,10 @@ class HAStreamOffsetListener(StreamingQueryListener):
             if last < 0 or last == self.persisted:
                 return
             options = self._options
-            client = clients.session(options.sites, options.timeout_s)
             try:
                 if self.persisted is None:
                     table_info(options, fresh=True)  # Route CommitOffset to the leader.
-                commit_offset(client, options, last, options.timeout_s)
+                commit_offset(options, last, options.timeout_s)
             except RaftStoreError as error:
                 self.failures += 1
                 log.warning("offset %d of %s not persisted: %s", last, options.topic, error)

@@ -18,12 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from hastream import wire
+
 log = logging.getLogger(__name__)
 
 ACTION_DEFAULT: Final = "spark"
 BATCH_ROWS_DEFAULT: Final = 10_000
-# One publish request holds at most this many rows (raftstore.limits.BATCH_ROWS_MAX).
-BATCH_ROWS_MAX: Final = 1_000_000
+# One publish request holds at most this many rows.
+BATCH_ROWS_MAX: Final = wire.BATCH_ROWS_MAX
 NUM_PARTITIONS_DEFAULT: Final = 2
 NUM_PARTITIONS_MAX: Final = 4096
 # A read partition holds at least this many rows unless the range is smaller: splitting a
@@ -31,8 +33,8 @@ NUM_PARTITIONS_MAX: Final = 4096
 PARTITION_ROWS_MIN: Final = 10_000
 TIMEOUT_S_DEFAULT: Final = 60.0  # Longer than an election plus a proposal timeout.
 TIMEOUT_S_MAX: Final = 3600.0
-ACTION_BYTES_MAX: Final = 128  # raftstore.limits.ACTION_NAME_BYTES_MAX
-TABLE_BYTES_MAX: Final = 128  # raftstore.limits.TABLE_NAME_BYTES_MAX
+ACTION_BYTES_MAX: Final = wire.ACTION_NAME_BYTES_MAX
+TABLE_BYTES_MAX: Final = wire.TABLE_NAME_BYTES_MAX
 IDEMPOTENCY_TOKEN_BYTES_MAX: Final = 1024
 
 KNOWN_OPTIONS: Final = (

@@ -35,8 +35,8 @@ from pyspark.sql.types import StructType
 
 from api_clients import AppendResult, Publisher, TableNotFound
 from spark_publisher import clients, schema
+from spark_publisher.cluster import TABLE_NOT_FOUND_RETRY_S, table_info
 from spark_publisher.options import HAStreamOptions, OptionError
-from spark_publisher.source import TABLE_NOT_FOUND_RETRY_S, table_info
 
 log = logging.getLogger(__name__)
 

@@ -47,9 +47,15 @@ from api_clients import (
     TableNotFound,
     TopicNotFound,
 )
-from proto import hastream_pb2
 from spark_publisher import clients, schema
+from spark_publisher.cluster import (
+    PLANNING_TIMEOUT_S,
+    TABLE_NOT_FOUND_RETRY_S,
+    commit_offset,
+    table_info,
+)
 from spark_publisher.options import HAStreamOptions, OptionError, Position, parse, split_range
+from spark_publisher.sink import HAStreamStreamWriter, HAStreamWriter
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +63,6 @@ NAME: Final = "hastream"
 # A partition is read in ranges of at most this many rows, so a worker holds a bounded
 # slice of the table in memory however large the micro-batch.
 READ_CHUNK_ROWS: Final = 200_000
-# Calls made while planning a micro-batch (latestOffset, commit) give up sooner than data
-# calls: a trigger that finds the cluster electing a leader just sees "no new data".
-PLANNING_TIMEOUT_S: Final = 10.0
-# How long a read keeps retrying a TableNotFound (a table created a moment ago that the
-# node asked has not applied yet) before it believes it.
-TABLE_NOT_FOUND_RETRY_S: Final = 15.0
 
 
 class DataLossError(RuntimeError):
@@ -117,36 +117,13 @@ class HAStreamDataSource(DataSource):
         return HAStreamStreamReader(self.parsed, schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
-        from spark_publisher.sink import HAStreamWriter  # The sink imports this module.
-
         return HAStreamWriter.create(self.parsed, schema, overwrite=overwrite)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
-        from spark_publisher.sink import HAStreamStreamWriter
-
         return HAStreamStreamWriter.create(self.parsed, schema, overwrite=overwrite)
 
 
-# --- cluster calls shared by the readers ---------------------------------------------------
-
-
-def table_info(options: HAStreamOptions, *, fresh: bool = False) -> TableInfo:
-    """The table's schema, row count and earliest retained row. Raises TableNotFound at once
-    for an unknown table.
-
-    Any node answers, and a follower's row count may lag the leader's by the rows it has not
-    applied yet (every row it counts is committed, so a lagging count is safe, only late).
-    With `fresh`, the count is asked of the group's leader (falling back to any node during
-    an election), so a read planned right after an acknowledged write sees that write.
-    """
-    client = clients.session(options.sites, options.timeout_s)
-    info = client.getTableInfo(options.table)
-    if not fresh:
-        return info
-    # The session routes a table's calls to its group's leader once it knows it.
-    if client.getStreamingLeader(info.raft_group):
-        return client.getTableInfo(options.table)
-    return info
+# --- what the readers share -----------------------------------------------------------------
 
 
 def resolve_start(options: HAStreamOptions, info: TableInfo, default: Position) -> int:
@@ -174,15 +151,6 @@ def _persisted_start(options: HAStreamOptions, info: TableInfo) -> int:
     except TopicNotFound:
         log.info("no persisted offset topic=%s: starting at the earliest row", options.topic)
         return info.earliest_offset
-
-
-def commit_offset(client: Session, options: HAStreamOptions, offset: int, timeout_s: float) -> None:
-    """Persists `offset` (the last processed row) as the action's offset, through Raft on
-    the table's leader. Raises the cluster's typed errors."""
-    request = hastream_pb2.CommitOffsetRequest(
-        table=options.table, action_name=options.action, offset=offset
-    )
-    client.call("CommitOffset", request, table=options.table, deadline_s=timeout_s)
 
 
 def read_rows(
@@ -339,10 +307,7 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 # Route CommitOffset straight to the leader (after a restart from a
                 # checkpoint, initialOffset, which learns it, is never called).
                 table_info(self._options, fresh=True)
-            client = clients.session(self._options.sites, self._options.timeout_s)
-            commit_offset(
-                client, self._options, last, min(PLANNING_TIMEOUT_S, self._options.timeout_s)
-            )
+            commit_offset(self._options, last, min(PLANNING_TIMEOUT_S, self._options.timeout_s))
         except RaftStoreError as error:
             log.warning(
                 "commit: offset %d of %s not persisted: %s", last, self._options.topic, error

@@ -98,6 +98,7 @@ def wait_replicas_settled(
         return int(cluster.group_status(leader, group)["commit_index"])
 
     committed = wait_until(barrier, timeout_s=timeout_s, message="barrier entry committed")
+    assert committed is not None  # wait_until returns only a truthy value
 
     def applied(alias: str) -> bool:
         status = cluster.group_status(alias, group)

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from hastream.errors import LeadershipLost, Overloaded, RaftStoreError
 from raftstore import commands, limits
 from raftstore.batcher import Batcher
-from raftstore.errors import LeadershipLost, RaftStoreError
 from tests.harness import wait_until
 
 pytestmark = pytest.mark.unit
@@ -67,5 +67,31 @@ def test_step_down_fails_in_flight_and_queued_publishes_and_proposes_none_later(
         sequences = [item.sequence for item in proposals.proposed[1][0].items]
         assert sequences == [4]
         assert not later.done()
+    finally:
+        batcher.close()
+
+
+def test_the_queue_refuses_payload_bytes_past_its_bound() -> None:
+    held = HeldProposals()
+    batcher = Batcher(2, held)
+    try:
+        big = commands.AppendItem(
+            table="t", producer_id=b"", sequence=0, payload=b"x" * limits.BATCH_BYTES_MAX
+        )
+        # Hold every in-flight slot so that submitted items stay queued.
+        fill = limits.PUBLISH_QUEUE_BYTES_MAX // limits.BATCH_BYTES_MAX
+        refused: Overloaded | None = None
+        accepted = 0
+        for _ in range(fill + limits.PROPOSALS_IN_FLIGHT_MAX + 2):
+            try:
+                batcher.submit(big)
+            except Overloaded as error:
+                refused = error
+                break
+            accepted += 1
+        assert refused is not None
+        assert refused.queue == "publish bytes"
+        assert refused.limit == limits.PUBLISH_QUEUE_BYTES_MAX
+        assert accepted >= fill
     finally:
         batcher.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from raftstore.errors import CorruptionError
+from hastream.errors import CorruptionError
 from raftstore.storage import checkpoint
 from raftstore.storage.format import FRAME_HEADER_SIZE, encode_frame
 

@@ -19,7 +19,7 @@ import pytest
 from api_clients import MultithreadedTableWriter, Session, batches
 from api_clients import buffer_format as fmt
 from api_clients.buffer import COMMIT_NAME, DurableBuffer, MemoryBuffer
-from raftstore.errors import CorruptionError, InvalidArgument, Overloaded
+from hastream.errors import CorruptionError, InvalidArgument, Overloaded
 
 pytestmark = pytest.mark.storage
 

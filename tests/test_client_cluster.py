@@ -413,8 +413,8 @@ def test_subscriber_resumes_from_persisted_offset_across_leader_kills_and_its_ow
 
 def test_subscriber_leaves_a_frozen_leader(cluster: LocalCluster) -> None:
     """A SIGSTOPped leader keeps its TCP connections open but answers nothing: its heartbeats
-    stop (STREAM_IDLE_TIMEOUT_S), as do answers to the client's keepalive pings, and the
-    subscription moves on."""
+    stop, as do answers to the client's keepalive pings, and the subscription moves on (to
+    the leader the other nodes name, or after STREAM_IDLE_TIMEOUT_S)."""
     cluster.create_table("ticks", SCHEMA, key_column="id")
     handled: list[int] = []
     lock = threading.Lock()
@@ -434,7 +434,7 @@ def test_subscriber_leaves_a_frozen_leader(cluster: LocalCluster) -> None:
         cluster.signal(frozen, signal.SIGSTOP)
         try:
             started = time.monotonic()
-            publisher.append(frame(1_000, 1_000))  # Goes to the new leader after a timeout.
+            publisher.append(frame(1_000, 1_000))  # Goes to the new leader once it is named.
             wait_until(
                 lambda: len(handled) >= 2_000,
                 timeout_s=WAIT_S,

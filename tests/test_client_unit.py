@@ -26,6 +26,7 @@ from api_clients import (
     MultithreadedTableWriter,
     Publisher,
     Session,
+    SiteUnavailable,
     WriterStopped,
     batches,
     buffer_format,
@@ -35,8 +36,8 @@ from api_clients import (
 from api_clients.admin import schema_to_ipc
 from api_clients.connection import CHANNEL_OPTIONS
 from api_clients.retry import Backoff
+from hastream import errors
 from proto import hastream_pb2, hastream_pb2_grpc
-from raftstore import errors
 
 pytestmark = pytest.mark.unit
 
@@ -155,7 +156,10 @@ class FakeNode(hastream_pb2_grpc.StreamTableServicer):
     `errors[method]`: errors raised, in order, by the next calls of that method.
     `lose_acks`: Publish calls that apply the rows and then fail UNAVAILABLE.
     `subscribe_scripts`: generators run, in order, by the next Subscribe calls.
-    `read_scripts`: how the next Read calls end early."""
+    `read_scripts`: how the next Read calls end early.
+    `silent`: methods that never answer (a leader cut off or frozen) until cancelled;
+    `slow_s`: seconds a Publish waits before it answers (a slow but live leader).
+    `names`: the leader it names when asked (default itself)."""
 
     def __init__(self) -> None:
         self.address = ""
@@ -171,6 +175,9 @@ class FakeNode(hastream_pb2_grpc.StreamTableServicer):
         self.subscribe_scripts: list[Callable[..., Iterator[hastream_pb2.RowBatch]]] = []
         # Read calls: (rows served at most, error raised after them or None).
         self.read_scripts: list[tuple[int, errors.RaftStoreError | None]] = []
+        self.silent: set[str] = set()
+        self.slow_s = 0.0
+        self.names: str | None = None
 
     def calls(self, method: str) -> list[Any]:
         with self.lock:
@@ -180,6 +187,11 @@ class FakeNode(hastream_pb2_grpc.StreamTableServicer):
         with self.lock:
             self.requests[method].append(request)
             pending = self.errors[method].pop(0) if self.errors[method] else None
+        if method in self.silent:
+            cancelled = threading.Event()
+            context.add_callback(cancelled.set)
+            cancelled.wait(timeout=10.0)  # bounded, so a broken test cannot hang the server
+            context.abort(grpc.StatusCode.UNAVAILABLE, "silent")
         if self.follower:
             abort(context, errors.NotLeader(self.leader_hint, 2))
         if pending is not None:
@@ -204,10 +216,36 @@ class FakeNode(hastream_pb2_grpc.StreamTableServicer):
 
     def GetStreamingLeader(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._enter("GetStreamingLeader", request, context)
-        return hastream_pb2.LeaderInfo(raft_group=request.raft_group, leader=self.address)
+        leader = self.names or self.address
+        return hastream_pb2.LeaderInfo(raft_group=request.raft_group, leader=leader)
+
+    def GetStreamingRaftGroups(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._enter("GetStreamingRaftGroups", request, context)
+        group = hastream_pb2.RaftGroupInfo(
+            raft_group=2, leader=self.names or self.address, tables=[TABLE]
+        )
+        return hastream_pb2.RaftGroups(groups=[group])
+
+    def PublishStream(self, batches_in: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        for batch in batches_in:
+            for request in batch.requests:
+                self._enter("PublishStream", request, context)
+                response = self._apply(request)
+                response.sequence = request.sequence
+                yield hastream_pb2.PublishAcks(responses=[response])
 
     def Publish(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._enter("Publish", request, context)
+        threading.Event().wait(self.slow_s)
+        response = self._apply(request)
+        with self.lock:
+            lose_ack = self.lose_acks > 0
+            self.lose_acks -= int(lose_ack)
+        if lose_ack:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (ack lost)")
+        return response
+
+    def _apply(self, request: Any) -> Any:
         with self.lock:
             last = self.producers.get(request.producer_id)
             if last is not None and request.sequence <= last[0]:
@@ -221,10 +259,6 @@ class FakeNode(hastream_pb2_grpc.StreamTableServicer):
             )
             self.table = pa.concat_tables([self.table, batch])
             self.producers[request.producer_id] = (request.sequence, response)
-            lose_ack = self.lose_acks > 0
-            self.lose_acks -= int(lose_ack)
-        if lose_ack:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (ack lost)")
         return response
 
     def Read(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -384,7 +418,7 @@ def test_call_raises_last_error_when_deadline_passes(start_node: Callable[[], Fa
     started = time.monotonic()
     with (
         make_session(site(node), dead_site(), deadline_s=0.5) as session,
-        pytest.raises(errors.NodeUnavailable),
+        pytest.raises((errors.NodeUnavailable, SiteUnavailable)),  # the node's or the dead one's
     ):
         session.getTableInfo(TABLE)
     assert time.monotonic() - started < 3.0
@@ -793,6 +827,185 @@ def test_drop_retried_after_an_unknown_outcome_takes_table_not_found_as_done(
         session.dropStreamTable(TABLE)
         with pytest.raises(errors.TableNotFound):
             session.dropStreamTable(TABLE)  # No unknown outcome this time: really missing.
+
+
+# -- leaving a silent leader (call_policy.hedge) --------------------------------------------
+
+
+def hedging_session(*sites: str, hedge_delay_s: float = 0.2) -> Session:
+    return Session(
+        list(sites),
+        deadline_s=10.0,
+        backoff_initial_s=0.01,
+        backoff_max_s=0.05,
+        hedge_delay_s=hedge_delay_s,
+    )
+
+
+def cut_off_leader(
+    start_node: Callable[[], FakeNode], *methods: str
+) -> tuple[FakeNode, FakeNode, FakeNode]:
+    """A silent old leader (its `methods` never answer), the new leader, and a follower
+    that names the new one."""
+    old, new, follower = start_node(), start_node(), start_node()
+    old.silent = set(methods)
+    old.names = old.address  # it still believes it leads
+    follower.names = new.address
+    return old, new, follower
+
+
+@pytest.mark.parametrize("schema_known", [True, False], ids=["group-known", "group-unknown"])
+def test_a_publish_leaves_a_silent_leader_once_the_others_name_another(
+    start_node: Callable[[], FakeNode], schema_known: bool
+) -> None:
+    """Without the table's group (schema given), the question is GetStreamingRaftGroups."""
+    old, new, follower = cut_off_leader(start_node, "Publish")
+    with hedging_session(site(old), site(new), site(follower)) as session:
+        publisher = Publisher(session, TABLE, schema=None if schema_known else SCHEMA)
+        started = time.monotonic()
+        result = publisher.append(rows(0, 3))
+        took_s = time.monotonic() - started
+        assert session.route(table=TABLE) == site(new)
+    assert (result.first_offset, result.row_count) == (0, 3)
+    assert took_s < 2.0  # the hedge delay (0.2 s) and a question, not the 15 s attempt
+    sent_old, sent_new = old.calls("Publish"), new.calls("Publish")
+    assert len(sent_old) == 1
+    assert len(sent_new) == 1
+    assert (sent_new[0].producer_id, sent_new[0].sequence) == (
+        sent_old[0].producer_id,
+        sent_old[0].sequence,
+    )
+    asked = "GetStreamingLeader" if schema_known else "GetStreamingRaftGroups"
+    assert new.calls(asked)
+    assert follower.calls(asked)
+    assert not old.calls(asked)  # the silent site itself is not asked
+
+
+def test_every_attempt_on_a_silent_leader_leaves_with_the_first(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    """Leaving closes the silent site's channel: attempts of other threads on it move too,
+    to the same leader, and later calls open a fresh channel."""
+    old, new, follower = cut_off_leader(start_node, "Publish")
+    with hedging_session(site(old), site(new), site(follower)) as session:
+        session.getTableInfo(TABLE)  # the group is known: GetStreamingLeader
+        outcomes: list[object] = []
+
+        def publish(first: int) -> None:
+            try:
+                outcomes.append(Publisher(session, TABLE).append(rows(first, 2)).row_count)
+            except errors.RaftStoreError as error:
+                outcomes.append(error)
+
+        threads = [threading.Thread(target=publish, args=(first,)) for first in (0, 10, 20)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=10)
+        assert outcomes == [2, 2, 2]
+        old.silent.clear()
+        request = hastream_pb2.TableRequest(table=TABLE)
+        assert session.call("GetTableInfo", request, site=site(old)).table == TABLE  # reopened
+    assert len(old.calls("Publish")) == 3
+    assert sorted(new.table.column("id").to_pylist()) == [0, 1, 10, 11, 20, 21]
+
+
+def test_a_slow_leader_the_others_still_name_is_waited_for(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    leader, follower_b, follower_c = start_node(), start_node(), start_node()
+    leader.slow_s = 0.8
+    follower_b.names = follower_c.names = leader.address
+    with hedging_session(site(leader), site(follower_b), site(follower_c)) as session:
+        result = Publisher(session, TABLE).append(rows(0, 2))
+    assert result.row_count == 2
+    assert len(leader.calls("Publish")) == 1
+    assert follower_b.calls("GetStreamingLeader")  # asked, and told to wait
+    assert not follower_b.calls("Publish")
+    assert not follower_c.calls("Publish")
+
+
+def test_a_call_that_is_not_idempotent_waits_out_its_attempt(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    """A Publish without a producer id could land twice: never left early."""
+    old, new, follower = cut_off_leader(start_node, "Publish")
+    session = Session(
+        [site(old), site(new), site(follower)],
+        timeout_s=1.0,
+        deadline_s=10.0,
+        hedge_delay_s=0.2,
+    )
+    request = hastream_pb2.PublishRequest(table=TABLE, payload=batches.encode(rows(0, 1)))
+    with session:
+        started = time.monotonic()
+        session.call("Publish", request, table=TABLE)
+        assert time.monotonic() - started >= 1.0  # the attempt's own timeout
+    assert not new.calls("GetStreamingLeader")
+    assert not follower.calls("GetStreamingLeader")
+
+
+def test_no_hedge_when_the_session_turns_it_off(start_node: Callable[[], FakeNode]) -> None:
+    old, new, follower = cut_off_leader(start_node, "Publish")
+    session = Session([site(old), site(new), site(follower)], timeout_s=1.0, hedge_delay_s=None)
+    with session:
+        Publisher(session, TABLE).append(rows(0, 1))
+    assert not follower.calls("GetStreamingLeader")
+    assert len(new.calls("Publish")) == 1  # after the silent attempt timed out
+
+
+def test_pipelined_publishes_leave_a_silent_leader_and_land_once_in_order(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    old, new, follower = cut_off_leader(start_node, "PublishStream")
+    with hedging_session(site(old), site(new), site(follower)) as session:
+        publisher = Publisher(session, TABLE, schema=SCHEMA, max_in_flight=8)
+        started = time.monotonic()
+        results = [publisher.append_async(rows(i, 1)) for i in range(20)]
+        offsets = [future.result(timeout=10).first_offset for future in results]
+        took_s = time.monotonic() - started
+        stats = publisher.pipeline_stats()
+        publisher.close()
+    assert offsets == list(range(20))
+    assert new.table.column("id").to_pylist() == list(range(20))
+    assert took_s < 3.0
+    assert stats is not None
+    assert stats["reconnects"] == 1
+
+
+def test_a_read_leaves_a_silent_node_for_the_leader_the_others_name(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    old, new, follower = cut_off_leader(start_node, "Read")
+    new.table = rows(0, 10)
+    with hedging_session(site(old), site(new), site(follower)) as session:
+        started = time.monotonic()
+        table = session.read(TABLE, 0, 10)
+        took_s = time.monotonic() - started
+    assert table.column("id").to_pylist() == list(range(10))
+    assert took_s < 3.0  # not the read's 10 s deadline
+    assert len(old.calls("Read")) == 1
+
+
+def test_a_silent_subscription_moves_once_the_others_name_another_leader(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    """The old leader's stream goes silent (no heartbeat: serve_rows holds it open): the
+    subscription moves well before STREAM_IDLE_TIMEOUT_S (6 s)."""
+    old, new, follower = cut_off_leader(start_node)
+    for node in (old, new):
+        node.table = rows(0, 10)
+    old.table = rows(0, 4)  # the old leader has fewer rows: the rest arrive from the new one
+    handler = Collector()
+    with hedging_session(site(old), site(new), site(follower)) as session:
+        started = time.monotonic()
+        subscription = session.subscribe(TABLE, handler, offset=0, persistOffset=False)
+        wait_until(lambda: handler.seen() == list(range(10)), timeout_s=6.0)
+        took_s = time.monotonic() - started
+        assert subscription.connections == 2
+        subscription.stop()
+    assert 1.5 <= took_s < 4.0  # SILENCE_HEDGE_DELAY_S, then a question or a few
+    assert [request.offset for request in new.calls("Subscribe")] == [4]
 
 
 def test_channels_probe_a_silent_server_with_keepalive_pings() -> None:

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from hastream.errors import InvalidArgument
 from raftstore import commands
 from raftstore.commands import (
     APPEND_OVERHEAD_BYTES,
@@ -22,7 +23,6 @@ from raftstore.commands import (
     encode,
     encoded_item_bytes,
 )
-from raftstore.errors import InvalidArgument
 
 PRODUCER = bytes(range(16))
 

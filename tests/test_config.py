@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hastream.errors import ConfigError, UnknownGroup
+from hastream.model import NodeAddress
 from raftstore import config
 from raftstore.config import ClusterConfig, NodeConfig, RaftGroupConfig
-from raftstore.errors import ConfigError, UnknownGroup
-from raftstore.model import NodeAddress
 
 pytestmark = pytest.mark.unit
 
@@ -237,12 +237,19 @@ def clusters(draw: st.DrawFn) -> ClusterConfig:
     groups = []
     for group_id in group_ids:
         members = draw(st.permutations(aliases).map(lambda a: a[: draw(st.integers(3, len(a)))]))
-        groups.append(RaftGroupConfig(group_id=group_id, members=tuple(members)))
+        preferred = draw(st.none() | st.sampled_from(members))
+        groups.append(
+            RaftGroupConfig(group_id=group_id, members=tuple(members), preferred_leader=preferred)
+        )
     # Every node must be in a group: the first group takes everyone left over.
     covered = {alias for group in groups for alias in group.members}
     first = groups[0]
     left_over = tuple(alias for alias in aliases if alias not in covered)
-    groups[0] = RaftGroupConfig(group_id=first.group_id, members=first.members + left_over)
+    groups[0] = RaftGroupConfig(
+        group_id=first.group_id,
+        members=first.members + left_over,
+        preferred_leader=first.preferred_leader,
+    )
     hosts = draw(st.lists(st.sampled_from(["127.0.0.1", "10.0.0.2", "db-host"]), min_size=1))
     ports = iter(draw(st.lists(st.integers(1, 65535), min_size=40, max_size=40, unique=True)))
     per_node_dirs = draw(st.booleans())
@@ -263,6 +270,7 @@ def clusters(draw: st.DrawFn) -> ClusterConfig:
                 advertised_port=advertised_port,
                 persistence_dir=Path(base, "data"),
                 ha_dir=Path(base, "raft"),
+                metrics_port=next(ports) if draw(st.booleans()) else None,
             )
         )
     return ClusterConfig(
@@ -555,3 +563,57 @@ def test_error_message_names_file_key_and_value() -> None:
     assert str(CFG_PATH) in str(error)
     assert "n1.port" in str(error)
     assert "'0'" in str(error)
+
+
+# --- metrics port and preferred leaders ----------------------------------------------------
+
+
+def test_metrics_port_is_optional_per_node() -> None:
+    cluster = config.parse(cfg(n1__metricsPort="9101"), CFG_PATH)
+    assert cluster.node("n1").metrics_port == 9101
+    assert cluster.node("n2").metrics_port is None
+
+
+def test_metrics_port_equal_to_a_client_port_on_one_host_is_refused() -> None:
+    error = refused(cfg(n3__metricsPort="8901"))
+    assert (error.key, error.value) == ("n3.metricsPort", "8901")
+    assert "n1.port" in error.reason
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "x", ""])
+def test_bad_metrics_port_is_refused(port: str) -> None:
+    error = refused(cfg(n2__metricsPort=port))
+    assert error.key == "n2.metricsPort"
+
+
+def test_preferred_leaders_name_a_member_per_group() -> None:
+    text = cfg(
+        streamingRaftGroups="2:n1:n2:n3,3:n1:n2:n3",
+        n1__raftPorts="2:9201,3:9301",
+        n2__raftPorts="2:9202,3:9302",
+        n3__raftPorts="2:9203,3:9303",
+        streamingPreferredLeaders="2:n2, 3:n3",
+    )
+    cluster = config.parse(text, CFG_PATH)
+    assert [g.preferred_leader for g in cluster.groups] == ["n2", "n3"]
+    assert config.parse(config.render(cluster), CFG_PATH) == cluster
+
+
+def test_no_preferred_leader_by_default() -> None:
+    assert config.parse(BASE, CFG_PATH).group(2).preferred_leader is None
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("2:n9", "not a member"),
+        ("5:n1", "not in streamingRaftGroups"),
+        ("2:n1,2:n2", "more than once"),
+        ("2", "not groupId:alias"),
+        ("x:n1", "group id"),
+    ],
+)
+def test_bad_preferred_leaders_are_refused(value: str, reason: str) -> None:
+    error = refused(cfg(streamingPreferredLeaders=value))
+    assert error.key == "streamingPreferredLeaders"
+    assert reason in error.reason

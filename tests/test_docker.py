@@ -26,12 +26,14 @@ import pyarrow as pa
 import pytest
 
 from api_clients import Publisher, Session, connect
+from deploy import rolling
 from deploy.docker import deployment as plans
 from deploy.docker import images, tool
 from deploy.docker.deployment import Deployment
 from deploy.local_cluster import wait_until
 from proto import hastream_pb2, hastream_pb2_grpc
 from raftstore import config
+from tests import ops_helpers
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +265,7 @@ def group_leader(deployment: Deployment) -> str:
 MINORITY_PROBE = """
 import json, sys, threading, time, grpc, pyarrow as pa
 from proto import hastream_pb2 as pb, hastream_pb2_grpc as rpc
-from raftstore import errors
+from hastream import errors
 port, group, table = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 cut_at, deadline_s = float(sys.argv[4]), float(sys.argv[5])
 stub = rpc.StreamTableStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
@@ -503,3 +505,40 @@ def test_down_then_up_keeps_the_data_in_volumes(docker_engine: Any, deployment: 
         result = Publisher(session, table).append(rows(300, 100))
     assert result.first_offset == 300
     assert_every_ack_once_on_every_replica(deployment, table, list(range(400)))
+
+
+@pytest.mark.docker
+@pytest.mark.cluster
+def test_rolling_restart_of_the_containers_keeps_every_write(
+    docker_engine: Any, deployment: Deployment
+) -> None:
+    """`deploy.docker.tool rolling-restart`: each container in turn, leadership handed over
+    first; Docker's health check (grpc.health.v1) says healthy again after each."""
+    table = "rollingTicks"
+    control = tool.DockerNodes(docker_engine, deployment)
+    with plain_session(deployment) as session:
+        session.haStreamTable(GROUP, ops_helpers.SCHEMA, table, cacheLimit=10_000, keyColumn="id")
+        publisher = ops_helpers.SteadyPublisher(session, table).start()
+        try:
+            wait_for(lambda: len(publisher.acked) >= 200, 30, "publishing")
+            started = time.monotonic()
+            steps = rolling.rolling_restart(session, control)
+            acked_after = len(publisher.acked) + 100
+            wait_for(lambda: len(publisher.acked) >= acked_after, 30, "publishing after")
+        finally:
+            publisher.stop()
+        acked = publisher.acked
+    assert sorted(step.alias for step in steps) == sorted(deployment.aliases)
+    assert publisher.failures == []
+    gap_s = publisher.gaps_since(started)
+    log.info("docker rolling restart longest ack gap=%.3fs", gap_s)
+    print(f"\ndocker rolling restart: longest ack gap {gap_s:.3f} s")
+    for alias in deployment.aliases:
+        item = tool.container(docker_engine, deployment, alias)
+        wait_for(lambda item=item: _health(item) == "healthy", 60, f"{alias} healthy")
+    assert_every_ack_once_on_every_replica(deployment, table, acked)
+
+
+def _health(item: Any) -> str:
+    item.reload()
+    return str((item.attrs["State"].get("Health") or {}).get("Status", ""))

@@ -3,28 +3,33 @@ operation survives a reopen."""
 
 from __future__ import annotations
 
+import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raftstore.errors import CorruptionError
-from raftstore.storage.journal import DurableJournal
+from hastream.errors import CorruptionError
+from raftstore.storage import checkpoint
+from raftstore.storage.files import Fault, SimFiles
+from raftstore.storage.journal import META_KIND, DurableJournal
 
 pytestmark = pytest.mark.storage
 
 
 def fill(journal: DurableJournal, count: int, first_idx: int = 1, term: int = 1) -> None:
     for number in range(count):
-        journal.add(f"command-{first_idx + number}".encode() * 3, first_idx + number, term)
+        journal.append(f"command-{first_idx + number}".encode() * 3, first_idx + number, term)
     journal.sync()
 
 
 def crash_while_writing(journal: DurableJournal, idx: int) -> None:
     """Entry `idx` written but not fdatasynced, then the process dies (kill -9)."""
-    journal.add(f"command-{idx}".encode() * 3, idx, 1)
+    journal.append(f"command-{idx}".encode() * 3, idx, 1)
     os.close(journal._fd)
 
 
@@ -33,41 +38,57 @@ def entries(directory: Path) -> list[tuple[bytes, int, int]]:
     try:
         return list(journal[:])
     finally:
-        journal._destroy()
+        journal.close()
 
 
 def test_entries_survive_reopen(tmp_path: Path) -> None:
     journal = DurableJournal(tmp_path)
     fill(journal, 50)
     expected = list(journal[:])
-    journal._destroy()
+    journal.close()
     assert entries(tmp_path) == expected
 
 
 def test_delete_entries_from_and_to_are_durable(tmp_path: Path) -> None:
     journal = DurableJournal(tmp_path)
     fill(journal, 20)
-    journal.deleteEntriesFrom(15)  # a follower drops a conflicting suffix
-    journal.add(b"new", 16, 2)
-    journal.deleteEntriesTo(5)  # compaction after a checkpoint
+    journal.truncate_from(15)  # a follower drops a conflicting suffix
+    journal.append(b"new", 16, 2)
+    journal.drop_first(5)  # compaction after a checkpoint
     journal.sync()
     expected = list(journal[:])
-    journal._destroy()
+    journal.close()
     assert [entry[1] for entry in expected] == list(range(6, 17))
+    assert entries(tmp_path) == expected
+
+
+@pytest.mark.parametrize("count", [511, 512, 513, 1500])
+def test_compaction_rewrites_a_journal_of_more_entries_than_one_writev_takes(
+    tmp_path: Path, count: int
+) -> None:
+    # Found by a randomized chaos run: a restart that trimmed a journal of 512+ entries to
+    # its checkpoint passed 1,025 buffers to one writev (EINVAL), and the node crash-looped.
+    journal = DurableJournal(tmp_path)
+    fill(journal, count)
+    journal.sync()
+    journal.drop_first(1)
+    expected = list(journal[:])
+    journal.close()
+    assert [entry[1] for entry in expected] == list(range(2, count + 1))
     assert entries(tmp_path) == expected
 
 
 def test_term_and_vote_survive_reopen(tmp_path: Path) -> None:
     journal = DurableJournal(tmp_path)
-    journal.setCurrentTerm(7, "127.0.0.1:9000")
-    journal.setRaftCommitIndex(42)
-    journal.onOneSecondTimer()
-    journal._destroy()
+    journal.set_term(7, "127.0.0.1:9000")
+    journal.set_commit_index(42)
+    journal.store_meta_if_changed()
+    journal.close()
     reopened = DurableJournal(tmp_path)
-    assert reopened.getCurrentTerm() == 7
-    assert reopened.getVotedForNodeId() == "127.0.0.1:9000"
-    assert reopened.getRaftCommitIndex() == 42
-    reopened._destroy()
+    assert reopened.term == 7
+    assert reopened.voted_for == "127.0.0.1:9000"
+    assert reopened.commit_index == 42
+    reopened.close()
 
 
 @settings(max_examples=40, deadline=None)
@@ -79,7 +100,7 @@ def test_torn_tail_is_truncated_to_the_last_whole_entry(
     journal = DurableJournal(directory)
     fill(journal, 9)
     kept = list(journal[:])
-    journal.onOneSecondTimer()  # raft.meta: entries up to 9 are fdatasynced
+    journal.store_meta_if_changed()  # raft.meta: entries up to 9 are fdatasynced
     crash_while_writing(journal, 10)
     path = directory / "raft.journal"
     size = path.stat().st_size
@@ -92,7 +113,7 @@ def test_zero_filled_tail_is_truncated(tmp_path: Path) -> None:
     journal = DurableJournal(tmp_path)
     fill(journal, 5)
     expected = list(journal[:])
-    journal._destroy()
+    journal.close()
     with (tmp_path / "raft.journal").open("ab") as file:
         file.write(b"\0" * 4096)
     assert entries(tmp_path) == expected
@@ -101,7 +122,7 @@ def test_zero_filled_tail_is_truncated(tmp_path: Path) -> None:
 def test_flipped_byte_in_the_middle_refuses_to_open(tmp_path: Path) -> None:
     journal = DurableJournal(tmp_path)
     fill(journal, 10)
-    journal._destroy()
+    journal.close()
     path = tmp_path / "raft.journal"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
@@ -113,8 +134,8 @@ def test_flipped_byte_in_the_middle_refuses_to_open(tmp_path: Path) -> None:
 
 def test_corrupt_meta_refuses_to_open(tmp_path: Path) -> None:
     journal = DurableJournal(tmp_path)
-    journal.setCurrentTerm(3, None)
-    journal._destroy()
+    journal.set_term(3, None)
+    journal.close()
     meta = tmp_path / "raft.meta"
     data = bytearray(meta.read_bytes())
     data[-2] ^= 0x01
@@ -139,7 +160,7 @@ def test_damage_to_an_fdatasynced_last_entry_is_corruption_not_a_torn_tail(
     journal = DurableJournal(tmp_path)
     fill(journal, 10)
     last_position = journal._positions[-1]
-    journal._destroy()
+    journal.close()
     path = tmp_path / "raft.journal"
     data = bytearray(path.read_bytes())
     data[last_position + 7] ^= 0x01  # the high byte of command_len
@@ -154,10 +175,188 @@ def test_a_torn_entry_written_after_the_log_was_cut_is_still_a_torn_tail(
 ) -> None:
     journal = DurableJournal(tmp_path)
     fill(journal, 10)
-    journal.onOneSecondTimer()
-    journal.deleteEntriesFrom(5)  # a new leader's log differs from index 6 on
+    journal.store_meta_if_changed()
+    journal.truncate_from(5)  # a new leader's log differs from index 6 on
     journal.sync()
     crash_while_writing(journal, 6)
     path = tmp_path / "raft.journal"
     os.truncate(path, path.stat().st_size - 3)
     assert [idx for _, idx, _ in entries(tmp_path)] == [1, 2, 3, 4, 5]
+
+
+# --- environment errors (simulated disk) -------------------------------------------------
+
+SIM_DIR = Path("/node/group-1")
+
+
+def _sim_journal(sim: SimFiles) -> DurableJournal:
+    journal = DurableJournal(SIM_DIR, files=sim)
+    fill(journal, 5)
+    journal.store_meta_if_changed()
+    return journal
+
+
+def _journal_steps(journal: DurableJournal) -> list[tuple[str, Callable[[], object]]]:
+    """Every kind of write the journal does, in a Raft-like order."""
+    return [
+        ("add", lambda: journal.append(b"six", 6, 1)),
+        ("add", lambda: journal.append(b"seven", 7, 1)),
+        ("sync", journal.sync),
+        ("term", lambda: journal.set_term(2, "127.0.0.1:9001")),
+        ("delete_from", lambda: journal.truncate_from(len(journal) - 1)),
+        ("add", lambda: journal.append(b"seven, term 2", 7, 2)),
+        ("sync", journal.sync),
+        ("commit", lambda: journal.set_commit_index(6)),
+        ("timer", journal.store_meta_if_changed),
+        ("delete_to", lambda: journal.drop_first(3)),
+        ("add", lambda: journal.append(b"eight", 8, 2)),
+        ("sync", journal.sync),
+    ]
+
+
+def _state(journal: DurableJournal) -> tuple[object, ...]:
+    return (list(journal[:]), journal.term, journal.voted_for)
+
+
+def _journal_operations() -> int:
+    sim = SimFiles()
+    journal = _sim_journal(sim)
+    before = sim.operations
+    for _, step in _journal_steps(journal):
+        step()
+    return sim.operations - before
+
+
+def _attempt(step: Callable[[], object]) -> OSError | CorruptionError | None:
+    try:
+        step()
+    except (OSError, CorruptionError) as error:
+        return error
+    return None
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EIO], ids=errno.errorcode.get)
+def test_an_error_at_any_operation_changes_nothing_and_leaves_a_recoverable_journal(
+    error: int,
+) -> None:
+    """The fault hits one operation; the caller then retries the failed call once, as
+    pysyncobj would on its next tick."""
+    operations = _journal_operations()
+    assert operations > 20
+    for failing in range(operations):
+        where = f"{errno.errorcode[error]} at operation {failing}"
+        sim = SimFiles()
+        journal = _sim_journal(sim)
+        synced = list(journal[:])
+        sim.fail(Fault(error, skip=failing))
+        terms = {journal.term}
+        for name, step in _journal_steps(journal):
+            before = _state(journal)
+            raised = _attempt(step)
+            if isinstance(raised, CorruptionError):
+                assert journal.failed is raised, where
+                break  # After a failed fdatasync every write is refused.
+            if raised is not None:
+                assert raised.errno == error, where
+                fault = sim.log[-1]
+                terms.add(2)  # A term frame may be in place, not durable (write_atomic).
+                if name == "delete_to" and "fsync_dir" in fault:
+                    # The rename happened: the compacted journal is adopted (its docstring).
+                    assert [idx for _, idx, _ in journal[:]] == [4, 5, 6, 7], where
+                    continue
+                assert _state(journal) == before, (where, name, fault)
+                if name == "sync":
+                    assert journal.failed is not None, where
+                    break
+                raised = _attempt(step)  # The retry: the fault is spent.
+                assert raised is None, (where, name, raised)
+            if name == "sync":
+                synced = list(journal[:])
+            terms.add(journal.term)
+        assert sim.log, where
+        assert "fault" in sim.log[0], where
+        in_memory = list(journal[:])
+        reopened = DurableJournal(SIM_DIR, files=sim)  # The process restarts (kill -9).
+        assert list(reopened[:]) == in_memory, where
+        assert reopened.term in terms, where
+        reopened.close()
+        sim.crash()  # And then the power goes.
+        recovered = list(DurableJournal(SIM_DIR, files=sim)[:])
+        assert recovered == in_memory, where  # The reopen made everything durable.
+        compacted = {1, 2, 3}  # Dropped after the checkpoint: no longer required.
+        assert {idx for _, idx, _ in synced} - compacted <= {idx for _, idx, _ in recovered}
+
+
+def test_a_partial_write_that_cannot_be_cut_off_refuses_later_writes(caplog: Any) -> None:
+    sim = SimFiles(disk_bytes_max=None)
+    journal = _sim_journal(sim)
+    sim.disk_bytes_max = sim.bytes_used() + 30  # The next entry is written short...
+    sim.fail(Fault(errno.EIO, op="ftruncate"))  # ... and cannot be cut back.
+    before = list(journal[:])
+    with pytest.raises(CorruptionError, match="cannot remove a partial write") as caught:
+        journal.append(b"x" * 100, 6, 1)
+    assert isinstance(caught.value.__cause__, OSError)
+    assert list(journal[:]) == before
+    with pytest.raises(CorruptionError):
+        journal.append(b"y", 6, 1)
+    with pytest.raises(CorruptionError):
+        journal.sync()
+    sim.disk_bytes_max = None
+    reopened = DurableJournal(SIM_DIR, files=sim)  # The garbage is a torn tail.
+    assert list(reopened[:]) == before
+    assert "truncated torn journal tail" in caplog.text
+
+
+def test_a_full_disk_fails_the_add_and_the_journal_goes_on_once_there_is_room() -> None:
+    sim = SimFiles()
+    journal = _sim_journal(sim)
+    sim.disk_bytes_max = sim.bytes_used() + 500
+    raised = None
+    while raised is None:
+        raised = _attempt(lambda: journal.append(b"z" * 40, len(journal) + 1, 1))
+    assert isinstance(raised, OSError)
+    assert raised.errno == errno.ENOSPC
+    added = len(journal)
+    assert added > 5
+    assert sim.bytes_used() < sim.disk_bytes_max  # The short write was cut back.
+    sim.disk_bytes_max = None
+    journal.append(b"room again", added + 1, 1)
+    journal.sync()
+    entries_now = list(journal[:])
+    sim.crash()
+    assert list(DurableJournal(SIM_DIR, files=sim)[:]) == entries_now
+
+
+def test_a_failed_fdatasync_refuses_later_writes_until_reopened() -> None:
+    sim = SimFiles()
+    journal = _sim_journal(sim)
+    journal.append(b"six", 6, 1)
+    sim.fail(Fault(errno.EIO, op="fdatasync"))
+    with pytest.raises(OSError, match=os.strerror(errno.EIO)):
+        journal.sync()
+    # Linux may have dropped the pages and marked them clean: a second fdatasync could
+    # succeed without the entry on disk, so the journal does not try.
+    with pytest.raises(CorruptionError, match="fdatasync failed"):
+        journal.sync()
+    with pytest.raises(CorruptionError):
+        journal.append(b"seven", 7, 1)
+    reopened = DurableJournal(SIM_DIR, files=sim)
+    assert [idx for _, idx, _ in reopened[:]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_creating_a_journal_on_a_full_disk_leaves_no_half_header() -> None:
+    sim = SimFiles(disk_bytes_max=5)
+    with pytest.raises(OSError, match=os.strerror(errno.ENOSPC)):
+        DurableJournal(SIM_DIR, files=sim)
+    sim.disk_bytes_max = None
+    assert len(DurableJournal(SIM_DIR, files=sim)) == 0  # An empty file is a new journal.
+
+
+@pytest.mark.parametrize(
+    "body", [b"[1, 2]", b'{"term": "7"}', b"not json"], ids=["list", "string term", "bytes"]
+)
+def test_raft_meta_of_the_wrong_shape_is_corruption(tmp_path: Path, body: bytes) -> None:
+    checkpoint.write_atomic(tmp_path / "raft.meta", META_KIND, body)
+    with pytest.raises(CorruptionError) as caught:
+        DurableJournal(tmp_path)
+    assert caught.value.path.endswith("raft.meta")

@@ -375,7 +375,7 @@ def test_drop_is_refused_while_subscribed_unless_forced(
     for alias in cluster.alive():
         wait_until(
             lambda alias=alias: (
-                not (cluster.root / alias / "persistence" / "group-2" / "dropme").exists()
+                not list((cluster.root / alias / "persistence" / "group-2").glob("dropme.*"))
             ),
             timeout_s=20,
             message=f"files dropped on {alias}",
@@ -417,3 +417,29 @@ def test_garbage_on_client_and_raft_ports_changes_nothing(
         wait_until(
             lambda alias=alias: cluster.row_count(alias, "wire") == 10, timeout_s=20, message="rows"
         )
+
+
+def test_a_table_past_the_node_limit_is_refused_before_anything_is_proposed(
+    tmp_path: Path,
+) -> None:
+    cluster = LocalCluster(tmp_path / "c", extra_config=("streamingTablesMax=2",)).start()
+    try:
+        create(cluster, "first")
+        create(cluster, "second")
+        leader = cluster.stub(cluster.leader())
+        before = cluster.group_status(cluster.leader(), 2)["commit_index"]
+        with pytest.raises(grpc.RpcError) as raised:
+            leader.HaStreamTable(
+                pb.CreateTableRequest(
+                    raft_group=2, table="third", schema_ipc=SCHEMA.serialize().to_pybytes()
+                ),
+                timeout=15,
+            )
+        name, fields = error_of(raised)
+        assert name == "TooManyTables"
+        assert fields == {"table": "third", "tables": 2, "tables_max": 2}
+        assert cluster.group_status(cluster.leader(), 2)["commit_index"] == before
+        leader.DropStreamTable(pb.DropTableRequest(table="first"), timeout=15)
+        create(cluster, "third")  # room again
+    finally:
+        cluster.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from cryptography.exceptions import InvalidTag
 
-from raftstore.replication import _GmacAuthenticator
+from raftstore.pysyncobj_patches import GmacAuthenticator as _GmacAuthenticator
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ import pytest
 from pysyncobj.poller import PollPoller
 from pysyncobj.tcp_connection import CONNECTION_STATE, TcpConnection
 
-from raftstore import limits, replication
+from raftstore import limits, pysyncobj_patches
 from tests.harness import LocalCluster, wait_until
 
 TIMEOUT_S = 5.0
@@ -38,7 +38,7 @@ class Link:
 
 @pytest.fixture
 def link() -> Iterator[Link]:
-    replication._patch_pysyncobj()
+    pysyncobj_patches.install()
     with socket.create_server(("127.0.0.1", 0)) as server:
         ours = socket.create_connection(server.getsockname())
         peer, _ = server.accept()
@@ -77,7 +77,7 @@ def test_a_silent_link_with_bytes_waiting_is_kept(link: Link) -> None:
     link.connection.send({"type": "request_vote"})
     link.peer.sendall(b"\x00\x00\x00\x00")
     wait_until(
-        lambda: replication._bytes_waiting(link.connection._TcpConnection__socket),
+        lambda: pysyncobj_patches._bytes_waiting(link.connection._TcpConnection__socket),
         timeout_s=TIMEOUT_S,
     )
     link.go_silent()

@@ -1,16 +1,21 @@
 """Pipelined publishing without a cluster: the SequenceGap error on the wire, the client's
-refusals before any network call."""
+refusals before any network call, the window's byte bound (against a fake StreamOpener)."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
 
-from api_clients import Publisher, PublishPipeline, Session
-from raftstore import errors, limits
-from raftstore.errors import InvalidArgument, SequenceGap
+from api_clients import PipelineClosed, PublishAborted, Publisher, PublishPipeline, Session
+from api_clients.retry import Backoff
+from api_clients.transport import Stream
+from hastream import errors, wire
+from hastream.errors import InvalidArgument, SequenceGap
 
 SCHEMA = pa.schema([("id", pa.int64())])
 
@@ -44,10 +49,97 @@ def test_pipelining_is_refused_with_a_durable_buffer(session: Session, tmp_path:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("window", [0, limits.PIPELINE_IN_FLIGHT_MAX + 1])
+@pytest.mark.parametrize("window", [0, wire.PIPELINE_IN_FLIGHT_MAX + 1])
 def test_window_outside_the_servers_bound_is_refused(session: Session, window: int) -> None:
     with pytest.raises(InvalidArgument, match="max_in_flight"):
         PublishPipeline(session, "t", max_in_flight=window)
+    with pytest.raises(InvalidArgument, match="max_in_flight"):
+        Publisher(session, "t", max_in_flight=window)
+
+
+@pytest.mark.unit
+def test_a_request_over_the_wire_bounds_is_refused_before_it_is_queued(
+    session: Session,
+) -> None:
+    pipeline = PublishPipeline(session, "t")
+    with pytest.raises(errors.BatchTooLarge):
+        pipeline.submit(b"x" * (wire.BATCH_BYTES_MAX + 1), 1)
+    with pytest.raises(InvalidArgument, match="row_count"):
+        pipeline.submit(b"x", 0)
+    assert pipeline.in_flight() == 0
+
+
+class SilentNode:
+    """A StreamOpener whose PublishStream never answers until `release` is set; then the
+    stream ends. Everything else the pipeline asks of a session, answered locally."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.sites = ["a:1"]
+        self.deadline_s = 5.0
+
+    def new_backoff(self, deadline_s: float | None = None, *, sleep: Any = None) -> Backoff:
+        return Backoff(0.01, 0.01, self.deadline_s if deadline_s is None else deadline_s)
+
+    def route(self, *, table: str | None = None, group: int | None = None) -> str:
+        return "a:1"
+
+    def next_site(self, site: str) -> str:
+        return "a:1"
+
+    def redirect_target(self, error: object, site: str) -> None:
+        return None
+
+    def remember_leader(self, site: str, *, table: str | None, group: int | None) -> None:
+        pass
+
+    def forget_leader(self, site: str, *, table: str | None, group: int | None) -> None:
+        pass
+
+    def leader_watch(self, site: str, **_: Any) -> None:
+        return None  # no other site to ask
+
+    def open_stream(self, site: str, method_name: str, request: Any, **_: Any) -> Stream:
+        release = self.release
+
+        class Call:
+            def __iter__(self) -> Iterator[Any]:
+                release.wait(timeout=30.0)
+                return iter(())
+
+            def cancel(self) -> None:
+                release.set()
+
+        return Stream(Call(), site, None)
+
+
+@pytest.mark.unit
+def test_the_window_also_holds_at_the_servers_in_flight_bytes() -> None:
+    node = SilentNode()
+    pipeline = PublishPipeline(node, "t", max_in_flight=wire.PIPELINE_IN_FLIGHT_MAX)  # type: ignore[arg-type]
+    payload = b"x" * wire.BATCH_BYTES_MAX
+    fitting = wire.PIPELINE_IN_FLIGHT_BYTES_MAX // wire.BATCH_BYTES_MAX
+    futures = [pipeline.submit(payload, 1) for _ in range(fitting)]
+    outcome: list[object] = []
+
+    def submit_one_more() -> None:
+        try:
+            outcome.append(pipeline.submit(payload, 1))
+        except InvalidArgument as error:  # the pipeline closed while it waited
+            outcome.append(error)
+
+    blocked = threading.Thread(target=submit_one_more, daemon=True)
+    blocked.start()
+    blocked.join(timeout=0.5)
+    assert blocked.is_alive(), "one request past the byte window must wait"
+    assert pipeline.in_flight() == fitting
+    node.release.set()
+    pipeline.close(timeout_s=0.0)
+    blocked.join(timeout=10.0)
+    assert not blocked.is_alive()
+    assert isinstance(outcome[0], InvalidArgument)
+    assert isinstance(futures[0].exception(timeout=10.0), PipelineClosed)
+    assert isinstance(futures[-1].exception(timeout=10.0), PublishAborted)
 
 
 @pytest.mark.unit

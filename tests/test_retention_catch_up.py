@@ -23,7 +23,9 @@ def _segments(root: Path, alias: str, table: str) -> list[Path]:
     found = [
         path
         for path in (root / alias / "persistence").rglob("seg-*.dat")
-        if path.parent.name == table and SEGMENT_NAME_PATTERN.fullmatch(path.name)
+        if path.parent.name.split(".")[0] == table
+        and SEGMENT_NAME_PATTERN.fullmatch(path.name)
+        and not path.parent.parent.name.startswith(".")
     ]
     return sorted(found)
 

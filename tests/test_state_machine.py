@@ -15,6 +15,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from hastream.errors import (
+    BatchTooLarge,
+    EmptyBatch,
+    InvalidArgument,
+    RaftStoreError,
+    SchemaMismatch,
+    SequenceGap,
+    TableExists,
+    TableNotFound,
+    TopicNotFound,
+)
 from raftstore import commands, limits
 from raftstore.commands import (
     Append,
@@ -25,17 +36,6 @@ from raftstore.commands import (
     DropTable,
     Noop,
     RemoveOffset,
-)
-from raftstore.errors import (
-    BatchTooLarge,
-    EmptyBatch,
-    InvalidArgument,
-    RaftStoreError,
-    SchemaMismatch,
-    SequenceGap,
-    TableExists,
-    TableNotFound,
-    TopicNotFound,
 )
 from raftstore.state_machine import (
     AppendRecords,
@@ -696,7 +696,7 @@ def test_drop_removes_the_table_and_its_topic_offsets() -> None:
     driver.run(CommitOffset("t/b", 6))
     driver.run(CommitOffset("t2/a", 7))
     assert driver.run(DropTable("t", force=False)) == CommandResult(4 + 2, None)
-    assert driver.effects == [DropTableFiles("t")]
+    assert driver.effects == [DropTableFiles("t", 1)]
     assert driver.machine.topics() == {"t2/a": 7}
     with pytest.raises(TableNotFound):
         driver.machine.table("t")

@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 from typing import Final
 
+from hastream.errors import ConfigError
 from raftstore import config
-from raftstore.errors import ConfigError
 
 CONFIG_DEFAULT: Final = "/etc/hastream/cluster.cfg"
 NODE_USER: Final = "hastream"

@@ -1,11 +1,13 @@
-"""The node container's health check: healthy when every Raft group of the node has a leader.
+"""The node container's health check: the standard gRPC health service (grpc.health.v1).
 
     python -m deploy.docker.healthcheck [--node ALIAS] [--config PATH]
 
-Asks the node itself (GetStreamingLeader over gRPC, inside the container) for the leader
-of each of its groups. Exit 0 when all have one, 1 otherwise (Docker's contract), with one
-line on stdout that `docker inspect` shows. Imports only grpc, the generated proto code
-and the config parser, so it costs little every few seconds.
+Asks the node itself (inside the container) `Health.Check("")`: SERVING once it has
+replayed its log, no group is in doubt and every Raft group of the node has a known leader
+(raftstore/node.py `Node.serving`). Exit 0 when SERVING, 1 otherwise (Docker's contract),
+with one line on stdout that `docker inspect` shows; an unhealthy line names the leaders
+the node knows. Imports only grpc, the health and proto stubs and the config parser, so it
+costs little every few seconds.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import sys
 from typing import Final
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hastream.errors import ConfigError
 from proto import hastream_pb2, hastream_pb2_grpc
 from raftstore import config
-from raftstore.errors import ConfigError
 
 CONFIG_DEFAULT: Final = "/etc/hastream/cluster.cfg"
 RPC_TIMEOUT_S: Final = 2.0
@@ -49,6 +52,14 @@ def leaders(target: str, group_ids: tuple[int, ...]) -> dict[int, str]:
         return found
 
 
+def serving_status(target: str) -> str:
+    """The node's grpc.health.v1 status for the whole server ("" service)."""
+    with grpc.insecure_channel(target) as channel:
+        request = health_pb2.HealthCheckRequest(service="")
+        reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=RPC_TIMEOUT_S)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.docker.healthcheck")
     parser.add_argument("--node", default=os.environ.get("HASTREAM_NODE"))
@@ -61,16 +72,17 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNHEALTHY
     target = local_target(node.host, node.port)
     try:
+        status = serving_status(target)
         found = leaders(target, node.group_ids)
     except grpc.RpcError as error:
         code = error.code().name if isinstance(error, grpc.Call) else "error"
         print(f"unhealthy: {target} does not answer ({code})")
         return EXIT_UNHEALTHY
     text = " ".join(f"group {group}: {leader or 'none'}" for group, leader in found.items())
-    if all(found.values()):
-        print(f"healthy: {text}")
+    if status == "SERVING":
+        print(f"healthy: SERVING; {text}")
         return EXIT_HEALTHY
-    print(f"unhealthy: no leader: {text}")
+    print(f"unhealthy: {status}; {text}")
     return EXIT_UNHEALTHY
 
 

@@ -1,7 +1,7 @@
 """Build the node image (`hastream-node:local`) on the Docker SDK, with no registry.
 
 The build context is made here, in memory, from exactly what the Dockerfile copies
-(proto/, raftstore/, api_clients/, deploy/ without caches), so nothing else of the
+(hastream/, proto/, raftstore/, api_clients/, deploy/ without caches), so nothing else of the
 checkout (data dirs, .git, caches) is sent to the engine and no .dockerignore is needed.
 The image is labelled with a hash of that context and of the base image id; a build is
 skipped when an image with the tag and that hash exists. `pull=False`: the base image is
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 REPO: Final = Path(__file__).resolve().parents[2]
 NODE_TAG_DEFAULT: Final = "hastream-node:local"
 DOCKERFILE: Final = "deploy/docker/Dockerfile"
-CONTEXT_DIRS: Final = ("proto", "raftstore", "api_clients", "deploy")
+CONTEXT_DIRS: Final = ("hastream", "proto", "raftstore", "api_clients", "deploy")
 CONTEXT_SKIPPED_PARTS: Final = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache"})
 CONTEXT_SKIPPED_SUFFIXES: Final = (".pyc", ".pyo", ".swp")
 

@@ -5,6 +5,7 @@
     python -m deploy.docker.tool status
     python -m deploy.docker.tool kill NODE          SIGKILL the node's container (a crash)
     python -m deploy.docker.tool restart NODE       stop (if running), start, wait until ready
+    python -m deploy.docker.tool rolling-restart    every node in turn, leadership moved first
     python -m deploy.docker.tool partition NODE     cut NODE off from its peers
     python -m deploy.docker.tool heal NODE          reconnect it
     python -m deploy.docker.tool logs NODE [--tail 200]
@@ -48,11 +49,14 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import grpc
 
+from api_clients import Session
+from deploy import rolling
 from deploy.docker import images
 from deploy.docker.base_image import BASE_TAG_DEFAULT
 from deploy.docker.deployment import (
@@ -71,8 +75,8 @@ from deploy.docker.deployment import (
     sites,
 )
 from deploy.docker.images import NODE_TAG_DEFAULT
+from hastream.errors import ConfigError, RaftStoreError
 from proto import hastream_pb2, hastream_pb2_grpc
-from raftstore.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +88,18 @@ STOP_TIMEOUT_S: Final = 10
 RPC_TIMEOUT_S: Final = 2.0
 POLL_INTERVAL_S: Final = 0.2
 LOG_MAX_BYTES: Final = "20m"  # per container: json-file logs rotate, never fill the disk
-ACTIONS: Final = ("build", "up", "down", "status", "kill", "restart", "partition", "heal", "logs")
+ACTIONS: Final = (
+    "build",
+    "up",
+    "down",
+    "status",
+    "kill",
+    "restart",
+    "rolling-restart",
+    "partition",
+    "heal",
+    "logs",
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -263,8 +278,8 @@ def wait_ready(
     timeout_s: float = READY_TIMEOUT_S,
 ) -> None:
     """Wait until every node in `aliases` (default: all) answers gRPC on its published
-    port. Raises NodeExited as soon as one's container is not running, DeployError on
-    timeout."""
+    port and says it is ready (replayed, not in doubt). Raises NodeExited as soon as one's
+    container is not running, DeployError on timeout."""
     pending = set(deployment.aliases if aliases is None else aliases)
 
     def all_ready() -> bool:
@@ -273,7 +288,8 @@ def wait_ready(
             if item is None or _state(item) != "running":
                 node = deployment.node(alias)
                 raise NodeExited(alias, node.container, log_tail(client, deployment, alias))
-            if node_status(deployment, alias) is not None:
+            status = node_status(deployment, alias)
+            if status is not None and status.get("ready", True):
                 pending.discard(alias)
         return not pending
 
@@ -373,6 +389,67 @@ def restart(
         item.stop(timeout=STOP_TIMEOUT_S)
     item.start()
     wait_ready(client, deployment, [alias], timeout_s)
+    targets: dict[int, int] = {}
+    if not wait_until(lambda: caught_up(deployment, alias, targets), timeout_s, interval_s=0.25):
+        raise DeployError(f"{alias} did not catch up with its groups' leaders")
+
+
+@dataclass
+class DockerNodes:
+    """The containers of a `deploy.docker.tool` deployment."""
+
+    client: Any  # docker.DockerClient
+    deployment: Any  # deploy.docker.deployment.Deployment
+
+    def aliases(self) -> list[str]:
+        return list(self.deployment.aliases)
+
+    def site(self, alias: str) -> str:
+        return str(self.deployment.site(alias))
+
+    def restart(self, alias: str) -> None:
+        try:
+            restart(self.client, self.deployment, alias)
+        except DeployError as error:
+            raise rolling.RollingRestartError(f"{alias}: {error}") from error
+
+
+def rolling_restart(client: Any, deployment: Deployment) -> None:
+    """Restart every node in turn, leadership handed over first (deploy/rolling.py)."""
+    control = DockerNodes(client, deployment)
+    with Session(rolling.sites_of(control)) as session:
+        try:
+            for step in rolling.rolling_restart(session, control):
+                print(rolling.describe(step), flush=True)
+        except rolling.RollingRestartError as error:
+            raise DeployError(str(error)) from error
+    print("rolling restart done")
+
+
+def caught_up(deployment: Deployment, alias: str, targets: dict[int, int] | None = None) -> bool:
+    """Every group of `alias` has a leader, the node is healthy in it, and has applied what
+    that leader had committed when first asked (`targets`, group -> that commit index,
+    carries the first answer across polls: under a steady load the leader's commit index
+    moves on, and a follower always just behind it is caught up)."""
+    targets = {} if targets is None else targets
+    status = node_status(deployment, alias)
+    for group_id in deployment.group_ids:
+        entry = _group_entry(status, group_id)
+        if entry is None or not entry.get("leader"):
+            return False
+        if entry.get("health", {}).get("state", "healthy") != "healthy":
+            return False
+        if group_id not in targets:
+            leader = leader_alias(deployment, group_id)
+            if leader is None:
+                return False
+            leader_entry = _group_entry(node_status(deployment, leader), group_id)
+            if leader_entry is None:
+                return False
+            targets[group_id] = int(leader_entry.get("commit_index", 0))
+        if int(entry.get("last_applied", 0)) < targets[group_id]:
+            return False
+    return True
 
 
 def is_partitioned(client: Any, deployment: Deployment, alias: str) -> bool:
@@ -510,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(client, args)
     except NodeExited as error:
         print(f"error: {error}; last lines:\n{error.log_tail}", file=sys.stderr)
-    except (DeployError, images.ImageBuildError, ConfigError) as error:
+    except (DeployError, images.ImageBuildError, ConfigError, RaftStoreError) as error:
         print(f"error: {error}", file=sys.stderr)
     return 1
 
@@ -564,6 +641,8 @@ def _act(client: Any, deployment: Deployment, args: argparse.Namespace) -> int:
     elif args.action == "restart":
         restart(client, deployment, alias)
         print(f"{alias}: restarted and ready")
+    elif args.action == "rolling-restart":
+        rolling_restart(client, deployment)
     elif args.action == "partition":
         changed = partition(client, deployment, alias)
         print(f"{alias}: {'partitioned' if changed else 'already partitioned'}")

@@ -1,9 +1,11 @@
 """The Raft log on disk: checksummed, fsynced, torn-tail safe.
 
-pysyncobj's own FileJournal never fsyncs, has no checksum and a 32-bit offset
-(PYSYNCOBJ-FACTS 1). This class has the same duck-typed interface (add, clear,
-deleteEntriesFrom, deleteEntriesTo, __getitem__, __len__, term/vote/commit metadata) and is
-plugged in by `replication.py`; it never imports pysyncobj itself.
+pysyncobj's own FileJournal never fsyncs, has no checksum and a 32-bit offset (see
+docs/durability.md). This class speaks our names (append, truncate_from, drop_first,
+entries by position, term/vote/commit metadata); `replication.py` adapts it to pysyncobj's
+journal interface (`_PysyncobjJournal`), and the local replica uses it as it is. It never
+imports pysyncobj. Every file operation goes
+through the `files` interface (storage/files.py), the real file system by default.
 
 Layout of `<dir>/raft.journal`:
 
@@ -22,7 +24,11 @@ rename, fsync dir). Term and vote are stored synchronously before pysyncobj send
 that reflects them; the commit index at most once per second (a stale commit index is safe:
 it only delays re-applying entries after a restart).
 
-Recovery: a record that is incomplete or fails its CRC at the very end of the file is a torn
+Environment errors (ENOSPC, EIO) fail a call cleanly: see `DurableJournal`.
+
+Recovery: opening fsyncs the file and the directory (a run killed before its fdatasync left
+entries in the page cache only; they are durable before a follower acknowledges them). A
+record that is incomplete or fails its CRC at the very end of the file is a torn
 write (it was never acknowledged, because acknowledgement waits for fdatasync): it is
 truncated with a WARNING. A failing record followed by more data is corruption: the node
 refuses to start (CorruptionError) rather than forget acknowledged entries. So is a failing
@@ -34,6 +40,7 @@ it acknowledged could vote a candidate missing committed entries into office.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -42,8 +49,9 @@ import zlib
 from pathlib import Path
 from typing import Any, Final
 
-from raftstore.errors import CorruptionError
+from hastream.errors import CorruptionError
 from raftstore.storage import checkpoint
+from raftstore.storage.files import FILE_MODE, REAL_FILES, Files, ensure_dir, read_all, write_all
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,8 @@ _RECORD_HEADER: Final = struct.Struct("<IIQQ")  # crc32, command_len, idx, term
 _CRC_COVERED: Final = struct.Struct("<IQQ")  # command_len, idx, term
 META_KIND: Final = b"META"
 COMMAND_BYTES_MAX: Final = 1 << 31
+# Buffers per writev when a whole journal is rewritten (Linux IOV_MAX is 1024).
+_WRITEV_BUFFERS_MAX: Final = 1024
 
 Entry = tuple[bytes, int, int]  # (command, idx, term): pysyncobj's journal entry shape
 
@@ -65,17 +75,29 @@ def _encode_record(command: bytes, idx: int, term: int) -> tuple[bytes, bytes]:
 
 
 class DurableJournal:
-    """The Raft log of one group on one node. Runs on pysyncobj's tick thread only."""
+    """The Raft log of one group on one node. Runs on pysyncobj's tick thread only.
 
-    def __init__(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+    Environment errors (a full disk, EIO) fail cleanly: a write method that raises OSError
+    leaves the file and the entries in memory as they were before the call (a partial
+    write is cut off with ftruncate). Two failures refuse every later write with
+    CorruptionError (`failed`): a partial write that cannot be cut off, and a failed
+    fdatasync, because Linux marks the pages clean after a writeback error, so a retried
+    fdatasync could succeed without the entries being on disk (the journal must then be
+    reopened: recovery reads what the disk really holds).
+    """
+
+    def __init__(self, directory: Path, *, files: Files = REAL_FILES) -> None:
+        self._files = files
+        ensure_dir(files, directory, root=directory)
         self._directory = directory
         self._path = directory / "raft.journal"
         self._meta_path = directory / "raft.meta"
         self._entries: list[Entry] = []
         self._positions: list[int] = []  # file position of each entry's record
+        self._end = 0  # file size: where the next record goes (the fd is O_APPEND)
         self._bytes_total = 0  # command bytes held (pysyncobj keeps the whole log in RAM)
         self._dirty = False
+        self._failed: CorruptionError | None = None
         self._meta: dict[str, Any] = self._load_meta()
         self._meta_dirty = False
         self._fd = self._open_and_recover()
@@ -85,36 +107,65 @@ class DurableJournal:
 
     def _load_meta(self) -> dict[str, Any]:
         try:
-            body = checkpoint.read_checked(self._meta_path, META_KIND)
+            body = checkpoint.read_checked(self._meta_path, META_KIND, files=self._files)
         except FileNotFoundError:
             return {}
-        meta: dict[str, Any] = json.loads(body)
+        try:
+            meta = json.loads(body)
+        except ValueError as error:
+            raise CorruptionError(str(self._meta_path), 0, f"not JSON: {error}") from error
+        if not isinstance(meta, dict):
+            raise CorruptionError(str(self._meta_path), 0, f"not a JSON object: {meta!r}")
+        for key in ("term", "commit_index", "synced_last_index"):
+            if key in meta and type(meta[key]) is not int:
+                raise CorruptionError(str(self._meta_path), 0, f"{key} is {meta[key]!r}")
         return meta
 
     def _open_and_recover(self) -> int:
-        fresh = not self._path.exists()
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
-        if fresh or os.fstat(fd).st_size == 0:
-            os.write(fd, _FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION))
-            os.fsync(fd)
-            checkpoint.fsync_dir(self._directory)
-            return fd
-        data = _read_all(fd)
+        flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+        fd = self._files.open(self._path, flags, FILE_MODE)
+        try:
+            self._end = self._files.size(fd)
+            if self._end == 0:
+                self._write_file_header(fd)
+            else:
+                self._recover(fd)
+        except BaseException:
+            self._files.close(fd)
+            raise
+        return fd
+
+    def _write_file_header(self, fd: int) -> None:
+        """A new journal: its header, durable with its name. A failure leaves an empty file
+        (which the next open treats as new), never a header cut short."""
+        try:
+            write_all(self._files, fd, [_FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION)])
+            self._files.fsync(fd)
+            self._files.fsync_dir(self._directory)
+        except OSError:
+            with contextlib.suppress(OSError):
+                self._files.ftruncate(fd, 0)
+            raise
+        self._end = _FILE_HEADER.size
+
+    def _recover(self, fd: int) -> None:
+        data = read_all(self._files, fd)
         if len(data) < _FILE_HEADER.size:
-            os.close(fd)
             raise CorruptionError(
                 str(self._path), 0, f"journal of {len(data)} bytes is shorter than its header"
             )
         magic, version = _FILE_HEADER.unpack_from(data, 0)
         if magic != FILE_MAGIC or version != FILE_VERSION:
-            os.close(fd)
             raise CorruptionError(str(self._path), 0, f"bad journal header {magic!r} v{version}")
         end = self._scan(data)
         if end < len(data):
-            os.ftruncate(fd, end)
-            os.fsync(fd)
-        os.lseek(fd, end, os.SEEK_SET)
-        return fd
+            self._files.ftruncate(fd, end)
+        # A run killed before its fdatasync leaves entries in the page cache: durable before
+        # anyone relies on them (a follower would acknowledge them). Also the directory: a
+        # run killed between a rename (compaction, raft.meta) and the directory's fsync.
+        self._files.fsync(fd)
+        self._files.fsync_dir(self._directory)
+        self._end = end
 
     def _scan(self, data: bytes) -> int:
         """Load every valid record; return where valid data ends (torn tail cut there)."""
@@ -178,9 +229,12 @@ class DurableJournal:
         self._positions.append(position)
         self._bytes_total += len(command)
 
-    # --- the pysyncobj Journal interface --------------------------------------------
+    # --- entries ----------------------------------------------------------------------
 
-    def add(self, command: bytes, idx: int, term: int) -> None:
+    def append(self, command: bytes, idx: int, term: int) -> None:
+        """Write one entry after the last (no fdatasync: see `sync`). Raises OSError from the
+        disk, with nothing changed; CorruptionError once the journal has failed."""
+        self._check_writable()
         if not isinstance(command, bytes):
             command = bytes(command)
         assert len(command) < COMMAND_BYTES_MAX
@@ -188,45 +242,73 @@ class DurableJournal:
             assert idx == self._entries[-1][1] + 1, (
                 f"journal gap: {idx} after {self._entries[-1][1]}"
             )
-        position = os.lseek(self._fd, 0, os.SEEK_CUR)
+        position = self._end
         header, body = _encode_record(command, idx, term)
-        written = os.writev(self._fd, [header, body])
-        assert written == len(header) + len(body), "short write to the journal"
+        try:
+            write_all(self._files, self._fd, [header, body])
+        except OSError as error:
+            self._cut_back(position, error)
+            raise
+        self._end = position + len(header) + len(body)
         self._append_entry(command, idx, term, position)
         self._dirty = True
 
-    def clear(self) -> None:
-        self._truncate_to(0)
+    def truncate_from(self, count: int) -> None:
+        """Keep only the first `count` entries (a leader overwrote the rest)."""
+        if count < len(self._entries):
+            self._truncate_to(count)
 
-    def deleteEntriesFrom(self, entry_from: int) -> None:
-        if entry_from < len(self._entries):
-            self._truncate_to(entry_from)
-
-    def deleteEntriesTo(self, entry_to: int) -> None:
+    def drop_first(self, entry_to: int) -> None:
         """Drop the first `entry_to` entries (after a checkpoint): rewrite the rest into a new
-        file, fsync it, rename it over the old one, fsync the directory."""
+        file, fsync it, rename it over the old one, fsync the directory.
+
+        Raises OSError from the disk. Up to the rename nothing has changed (the new file is
+        removed). If the directory fsync after the rename fails, the new file is in place and
+        adopted (entries in memory match it), but the rename may not be durable: after a
+        power loss the old journal may come back, which is as valid (it holds more entries
+        from before the checkpoint)."""
+        self._check_writable()
         if entry_to <= 0:
             return
         kept = self._entries[entry_to:]
         tmp = self._path.with_suffix(".journal.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        positions: list[int] = []
-        position = _FILE_HEADER.size
-        os.write(fd, _FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION))
-        for command, idx, term in kept:
-            header, body = _encode_record(command, idx, term)
-            os.writev(fd, [header, body])
-            positions.append(position)
-            position += len(header) + len(body)
-        os.fsync(fd)
-        os.replace(tmp, self._path)
-        checkpoint.fsync_dir(self._directory)
-        os.close(self._fd)
-        self._fd = fd
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
+        fd = self._files.open(tmp, flags, FILE_MODE)
+        try:
+            positions, end = self._write_entries(fd, kept)
+            self._files.fsync(fd)
+            self._files.replace(tmp, self._path)
+        except BaseException:
+            self._files.close(fd)
+            with contextlib.suppress(OSError):
+                self._files.unlink(tmp)
+            raise
+        old_fd, self._fd = self._fd, fd
         self._entries = kept
         self._positions = positions
+        self._end = end
         self._bytes_total = sum(len(entry[0]) for entry in kept)
         self._dirty = False
+        try:
+            self._files.fsync_dir(self._directory)
+        finally:
+            self._files.close(old_fd)
+
+    def _write_entries(self, fd: int, entries: list[Entry]) -> tuple[list[int], int]:
+        """Write a whole journal (header and `entries`) to a new file; (positions, end)."""
+        positions: list[int] = []
+        buffers: list[bytes] = [_FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION)]
+        position = _FILE_HEADER.size
+        for command, idx, term in entries:
+            header, body = _encode_record(command, idx, term)
+            positions.append(position)
+            position += len(header) + len(body)
+            if len(buffers) + 2 > _WRITEV_BUFFERS_MAX:
+                write_all(self._files, fd, buffers)
+                buffers = []
+            buffers += (header, body)
+        write_all(self._files, fd, buffers)
+        return positions, position
 
     def __getitem__(self, item: int | slice) -> Any:
         return self._entries[item]
@@ -234,44 +316,63 @@ class DurableJournal:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _destroy(self) -> None:
-        self.sync()
-        self._store_meta_if_dirty()
-        os.close(self._fd)
-        self._fd = -1
+    def close(self) -> None:
+        """Sync, store the metadata and close. The fd is closed even if that fails."""
+        try:
+            self.sync()
+            self._store_meta_if_dirty()
+        finally:
+            self._files.close(self._fd)
+            self._fd = -1
 
-    def setRaftCommitIndex(self, raft_commit_index: int) -> None:
-        if self._meta.get("commit_index") != raft_commit_index:
-            self._meta["commit_index"] = raft_commit_index
+    # --- term, vote, commit index ------------------------------------------------------
+
+    def set_commit_index(self, commit_index: int) -> None:
+        """Remembered, stored with the next `store_meta_if_changed` (a stale commit index
+        only delays re-applying entries after a restart)."""
+        if self._meta.get("commit_index") != commit_index:
+            self._meta["commit_index"] = commit_index
             self._meta_dirty = True
 
-    def getRaftCommitIndex(self) -> int:
+    @property
+    def commit_index(self) -> int:
         return int(self._meta.get("commit_index", 1))
 
-    def setCurrentTerm(self, term: int, voted_for_node_id: Any) -> None:
+    def set_term(self, term: int, voted_for_node_id: Any) -> None:
+        """Raises OSError with term and vote unchanged (in memory; see `write_atomic` for the
+        file); CorruptionError once the journal has failed."""
         # Raft: term and vote must be durable before any message reflecting them is sent.
-        self._meta["term"] = term
-        self._meta["voted_for"] = voted_for_node_id
-        self._store_meta()
+        self._check_writable()
+        self._store_meta({"term": term, "voted_for": voted_for_node_id})
 
-    def getCurrentTerm(self) -> int:
+    @property
+    def term(self) -> int:
         return int(self._meta.get("term", 0))
 
-    def getVotedForNodeId(self) -> Any:
+    @property
+    def voted_for(self) -> Any:
         return self._meta.get("voted_for")
 
-    def onOneSecondTimer(self) -> None:
+    def store_meta_if_changed(self) -> None:
+        """Store the commit index (and the synced index) if they moved since the last."""
         self._store_meta_if_dirty()
 
-    def flush(self) -> None:
-        self.sync()
-
-    # --- ours ------------------------------------------------------------------------
+    # --- durability ------------------------------------------------------------------
 
     def sync(self) -> None:
-        """Make every entry added so far durable (one fdatasync)."""
+        """Make every entry added so far durable (one fdatasync). Raises OSError the first
+        time fdatasync fails, CorruptionError from then on (see the class docstring)."""
+        self._check_writable()
         if self._dirty:
-            os.fdatasync(self._fd)
+            try:
+                self._files.fdatasync(self._fd)
+            except OSError as error:
+                self._failed = CorruptionError(
+                    str(self._path),
+                    self._end,
+                    f"fdatasync failed ({error}): what it covered may not be on disk",
+                )
+                raise
             self._dirty = False
             self.syncs += 1
             if self._entries and self._meta.get("synced_last_index") != self._entries[-1][1]:
@@ -284,6 +385,11 @@ class DurableJournal:
         return self._dirty
 
     @property
+    def failed(self) -> CorruptionError | None:
+        """Why the journal refuses writes, or None."""
+        return self._failed
+
+    @property
     def bytes_total(self) -> int:
         return self._bytes_total
 
@@ -291,42 +397,59 @@ class DurableJournal:
     def directory(self) -> Path:
         return self._directory
 
+    def _check_writable(self) -> None:
+        assert self._fd >= 0, "journal used after close()"
+        if self._failed is not None:
+            raise self._failed
+
+    def _cut_back(self, position: int, error: OSError) -> None:
+        """Remove what a failed write left after `position`; if even that fails, the journal
+        refuses every later write (a later entry must never land after garbage)."""
+        try:
+            self._files.ftruncate(self._fd, position)
+        except OSError as cut_error:
+            self._failed = CorruptionError(
+                str(self._path),
+                position,
+                f"cannot remove a partial write ({error}): {cut_error}",
+            )
+            raise self._failed from cut_error
+
     def _truncate_to(self, count: int) -> None:
+        """Drop entries [count, ...). Raises OSError with nothing dropped."""
+        self._check_writable()
         kept_last = self._entries[count - 1][1] if count else 0
-        if int(self._meta.get("synced_last_index", 0)) > kept_last:
+        synced_last = int(self._meta.get("synced_last_index", 0))
+        if synced_last > kept_last:
             # Durably before the cut: entries written later at these indexes are not synced,
             # and a torn one must not be taken for corruption.
-            self._meta["synced_last_index"] = kept_last
-            self._store_meta()
-        position = self._positions[count] if count < len(self._positions) else None
-        if position is None:
-            position = _FILE_HEADER.size if count == 0 else os.lseek(self._fd, 0, os.SEEK_END)
+            self._store_meta({"synced_last_index": kept_last})
+        position = self._positions[count] if count < len(self._positions) else self._end
+        try:
+            self._files.ftruncate(self._fd, position)
+        except OSError:
+            if synced_last > kept_last:
+                # Nothing was cut: the entries above kept_last are as synced as they were.
+                self._meta["synced_last_index"] = synced_last
+                self._meta_dirty = True
+            raise
         for command, _, _ in self._entries[count:]:
             self._bytes_total -= len(command)
         del self._entries[count:]
         del self._positions[count:]
-        os.ftruncate(self._fd, position)
-        os.lseek(self._fd, position, os.SEEK_SET)
+        self._end = position
         self._dirty = True
 
     def _store_meta_if_dirty(self) -> None:
         if self._meta_dirty:
-            self._store_meta()
+            self._check_writable()
+            self._store_meta({})
 
-    def _store_meta(self) -> None:
-        body = json.dumps(self._meta, sort_keys=True).encode()
-        checkpoint.write_atomic(self._meta_path, META_KIND, body)
+    def _store_meta(self, changes: dict[str, Any]) -> None:
+        """Write the metadata with `changes` applied; memory changes only once it is durable
+        (on OSError, the metadata in memory is as before)."""
+        meta = {**self._meta, **changes}
+        body = json.dumps(meta, sort_keys=True).encode()
+        checkpoint.write_atomic(self._meta_path, META_KIND, body, files=self._files)
+        self._meta = meta
         self._meta_dirty = False
-
-
-def _read_all(fd: int) -> bytes:
-    size = os.fstat(fd).st_size
-    chunks = []
-    position = 0
-    while position < size:
-        chunk = os.pread(fd, min(size - position, 64 << 20), position)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        position += len(chunk)
-    return b"".join(chunks)

@@ -6,9 +6,17 @@ chain: a segment starts where the previous one ends. Only the last segment (the 
 is written; the others are sealed. A new segment starts when a record would push the active
 one past `segment_bytes_max` (a record larger than that gets a segment of its own).
 
-Durability: `append` writes with one `os.writev` and no fsync (the Raft log can redo
+Durability: `append` writes with one `writev` and no fsync (the Raft log can redo
 anything lost); `sync` makes everything appended so far durable (the checkpoint path calls
-it before the Raft log is truncated).
+it before the Raft log is truncated). Opening makes what it finds durable (each segment and
+the directory are fsynced): a process killed before its `sync` leaves records in the page
+cache that the next run must not take for durable. Every file operation goes through the
+`files` interface (storage/files.py), the real file system by default.
+
+Open files: a segment's fd lives in a process-wide `OpenFiles`, which closes the least
+recently used data files beyond its bound; a segment is reopened when next written, read
+or synced (fsync of a reopened fd flushes the file's dirty pages: they belong to the file,
+not the fd). So a thousand tables hold at most that bound of fds, not one or more each.
 
 Recovery at open: sealed segments have every header checked (header CRC, offset and LSN
 chain); the last segment also has every payload CRC checked. A failing record that is the
@@ -22,7 +30,7 @@ Threads: one writer thread calls `append`, `sync`, `truncate_from`, `close` and 
 Any number of reader threads call `read` and `record_at`; `remove_segments_before` may run on
 any thread (it never touches the active segment). The index is guarded by a lock, and an
 index entry is published only after its record is completely written, so readers (who
-`os.pread` on a per-segment read fd) never see half a record.
+`pread` on the segment's handle, held for one batch of records) never see half a record.
 """
 
 from __future__ import annotations
@@ -32,18 +40,26 @@ import enum
 import logging
 import os
 import re
-import shutil
 import threading
+import weakref
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, NamedTuple
 
+from hastream.errors import CorruptionError, NodeUnavailable, OffsetOutOfRange
 from raftstore import limits
-from raftstore.errors import CorruptionError, NodeUnavailable, OffsetOutOfRange
-from raftstore.storage import checkpoint
 from raftstore.storage import format as storage_format
+from raftstore.storage.files import (
+    FILE_MODE,
+    OPEN_DATA_FILES,
+    REAL_FILES,
+    FileHandle,
+    Files,
+    OpenFiles,
+    ensure_dir,
+)
 from raftstore.storage.format import HEADER_SIZE, FormatError, RecordHeader
 
 log = logging.getLogger(__name__)
@@ -52,8 +68,11 @@ SEGMENT_NAME_PATTERN: Final = re.compile(r"seg-(\d{20})\.dat")
 # Records handed to a reader per lock acquisition: bounds how long a reader holds the lock.
 _SNAPSHOT_RECORDS_MAX: Final = 1024
 _ZERO_CHECK_CHUNK_BYTES: Final = 1024 * 1024
-# Sealed segments whose fsync waits for the next `sync`; beyond it a roll fsyncs the oldest.
+# Sealed segments whose fsync waits for the next `sync`; beyond it a roll fsyncs the oldest
+# (bounds the work, and the latency, of the checkpoint's `sync`).
 _UNSYNCED_SEGMENTS_MAX: Final = 8
+# Every data-file handle: readers pread, the writer appends (O_APPEND), truncate_from cuts.
+_DATA_FILE_FLAGS: Final = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC
 
 
 def segment_name(first_offset: int) -> str:
@@ -83,33 +102,18 @@ class _Entry(NamedTuple):
     lsn: int
 
 
-class _ReadFd:
-    """A read-only fd shared by the readers of one segment. It is never closed explicitly
-    (not by retention, truncation or close): it closes when the last holder lets go of it
-    (CPython frees it at once), so a reader never preads a closed or reused fd number."""
-
-    __slots__ = ("fd",)
-
-    def __init__(self, path: Path) -> None:
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-
-    def __del__(self) -> None:
-        fd = getattr(self, "fd", -1)  # Unset if os.open raised.
-        if fd >= 0:
-            os.close(fd)
-
-
 class _Segment:
     """One segment file and the index of its records. Mutated under the log's lock."""
 
     __slots__ = (
         "end_offset",
         "first_offset",
+        "handle",
         "lsns",
         "offsets",
         "path",
         "positions",
-        "read_fd",
+        "removed",
         "size",
         "timestamp_ms_max",
     )
@@ -123,7 +127,10 @@ class _Segment:
         self.offsets = array("Q")
         self.positions = array("Q")
         self.lsns = array("Q")
-        self.read_fd: _ReadFd | None = None
+        # Weak: OpenFiles holds the handle and may drop it (closing the fd once nobody uses
+        # it); whoever uses the segment takes a strong reference for one operation.
+        self.handle: weakref.ref[FileHandle] | None = None
+        self.removed = False  # Deleted (retention, truncation): never reopened.
 
     @property
     def lsn_last(self) -> int:
@@ -196,29 +203,37 @@ class TableLog:
     """The segmented data files of one table. See the module docstring for threads."""
 
     def __init__(
-        self, directory: Path, *, segment_bytes_max: int = limits.SEGMENT_BYTES_MAX
+        self,
+        directory: Path,
+        *,
+        segment_bytes_max: int = limits.SEGMENT_BYTES_MAX,
+        files: Files = REAL_FILES,
+        open_files: OpenFiles = OPEN_DATA_FILES,
     ) -> None:
-        """Open (creating if missing) and recover the table's data files. Raises
-        CorruptionError on a failing record other than a torn tail."""
+        """Open (creating if missing, durably: `ensure_dir`) and recover the table's data
+        files; what is found is fsynced. Raises CorruptionError on a failing record other
+        than a torn tail, OSError from the disk. `open_files` bounds the fds held (the
+        process-wide one by default)."""
         assert segment_bytes_max > HEADER_SIZE, segment_bytes_max
         self._directory = directory
         self._segment_bytes_max = segment_bytes_max
+        self._files = files
+        self._open_files = open_files
         self._lock = threading.Lock()
         self._segments: list[_Segment] = []  # Oldest first; the last is the active one.
         self._row_count = 0
         self._lsn_last = 0
         self._bytes_total = 0
         self._truncations = 0  # Bumped by truncate_from: readers' snapshots are stale.
-        self._write_fd = -1  # Active segment, O_APPEND. Writer thread only.
-        self._unsynced_fds: list[int] = []  # Write fds of segments sealed since the last sync.
-        self._dirty = False  # Appended since the last sync.
+        self._unsynced: list[_Segment] = []  # Sealed since the last sync, written before it.
+        self._dirty = False  # The active segment was created or appended to since the last sync.
         self._directory_dirty = False  # Segment created since the last sync.
         self._closed = False
-        self._write_error: CorruptionError | None = None  # A failed write that left garbage.
-        _ensure_directory(directory)
+        # A failed write that left garbage, or a failed fsync (whose retry could succeed with
+        # the data lost: Linux marks the pages clean after a writeback error).
+        self._write_error: CorruptionError | None = None
+        ensure_dir(files, directory, root=directory)
         self._recover()
-        if self._segments:
-            self._write_fd = _open_append(self._segments[-1].path)
 
     # --- properties (any thread) ---------------------------------------------------------
 
@@ -246,11 +261,17 @@ class TableLog:
     def bytes_total(self) -> int:
         return self._bytes_total
 
+    @property
+    def failed(self) -> CorruptionError | None:
+        """Why the table refuses writes (reopen it to go on), or None."""
+        return self._write_error
+
     # --- writer thread ---------------------------------------------------------------------
 
     def append(self, record: DataRecord) -> None:
         """Write one record after the last (no fsync; see `sync`). Writer thread only.
-        Raises OSError from the disk; the file is then cut back to the last whole record."""
+        Raises OSError from the disk; the file is then cut back to the last whole record (if
+        that fails too, CorruptionError, and the table refuses writes: `failed`)."""
         assert not self._closed
         if self._write_error is not None:
             raise self._write_error
@@ -266,10 +287,15 @@ class TableLog:
             active.size > 0 and active.size + header.record_size > self._segment_bytes_max
         ):
             active = self._roll(record.first_offset)
+        ref = active.handle  # _handle(active), inlined: this is the hot path.
+        handle = ref() if ref is not None else None
+        if handle is None:
+            handle = self._handle(active)
+        handle.used = True
         try:
-            _write_all(self._write_fd, parts, header.record_size)
+            _write_all(self._files, handle.fd, parts, header.record_size)
         except OSError:
-            self._undo_partial_write(active)
+            self._undo_partial_write(active, handle)
             raise
         with self._lock:
             active.add(header, active.size)
@@ -280,16 +306,33 @@ class TableLog:
 
     def sync(self) -> None:
         """Make every record appended so far durable: fsync the segments written since the last
-        sync, and the directory if a segment was created. Writer thread only."""
+        sync, then the directory if a segment was created or removed. Writer thread only.
+        Raises OSError the first time an fsync fails, CorruptionError from then on
+        (`_write_error`).
+
+        The order matters: the directory is fsynced only after every segment's data, so a
+        segment's name is never durable while an older segment may still lose its tail (a
+        power loss would leave a gap in the chain, which recovery must call corruption)."""
         assert not self._closed
-        while self._unsynced_fds:
+        if self._write_error is not None:
+            raise self._write_error
+        while self._unsynced:
             self._sync_oldest_sealed()
         if self._dirty:
-            os.fsync(self._write_fd)
+            active = self._segments[-1]
+            self._fsync(active, self._handle(active))
             self._dirty = False
         if self._directory_dirty:
-            checkpoint.fsync_dir(self._directory)
+            # Cleared first: retention (any thread) may set it again meanwhile, and then the
+            # next sync fsyncs again rather than miss its removal.
             self._directory_dirty = False
+            try:
+                self._files.fsync_dir(self._directory)
+            except OSError as error:
+                self._write_error = CorruptionError(
+                    str(self._directory), 0, f"directory fsync failed: {error}"
+                )
+                raise
 
     def start_at(self, offset: int) -> None:
         """Make an empty log continue at `offset`: the table's rows before it are gone from
@@ -304,19 +347,23 @@ class TableLog:
         if offset <= self._row_count:
             return
         self.sync()
-        if self._write_fd >= 0:
-            os.close(self._write_fd)
-            self._write_fd = -1
         with self._lock:
             stale, self._segments = self._segments, []
-        for segment in stale:
-            segment.path.unlink()
-        self._roll(offset)
+            for segment in stale:
+                segment.removed = True
+        try:
+            for segment in stale:
+                self._forget_handle(segment)
+                self._files.unlink(segment.path)
+            self._roll(offset)
+        except OSError as error:
+            self._fail_midway("start_at", error)
+            raise
         with self._lock:
             self._refresh_totals_locked()
         self.sync()
         log.warning(
-            "table log starts at offset %d (earlier rows removed by retention) directory=%s",
+            "table log starts at offset %d (the rows before it are elsewhere or gone) directory=%s",
             offset,
             self._directory,
         )
@@ -325,7 +372,8 @@ class TableLog:
         """Drop every record whose first_offset >= offset (repair), durably: later segments are
         deleted newest first, then the segment holding the cut is truncated and fsynced, so a
         crash midway leaves a consistent (longer) prefix. Writer thread only. Readers running
-        at the same time stop early."""
+        at the same time stop early. An OSError midway leaves the files a longer prefix than
+        the index: the table then refuses writes (CorruptionError) until it is reopened."""
         assert not self._closed
         assert offset >= 0, offset
         self.sync()
@@ -333,18 +381,23 @@ class TableLog:
             removed, cut = self._cut_index(offset)
             if not removed and cut is None:
                 return
+            for segment in removed:
+                segment.removed = True
             self._truncations += 1
             self._refresh_totals_locked()
-        os.close(self._write_fd)
-        self._write_fd = -1
-        for segment in reversed(removed):
-            segment.path.unlink()
-        if removed:
-            checkpoint.fsync_dir(self._directory)
-        if cut is not None:
-            _truncate_file(cut.path, cut.size)
-        if self._segments:
-            self._write_fd = _open_append(self._segments[-1].path)
+        try:
+            for segment in reversed(removed):
+                self._forget_handle(segment)
+                self._files.unlink(segment.path)
+            if removed:
+                self._files.fsync_dir(self._directory)
+            if cut is not None:
+                handle = self._handle(cut)
+                self._files.ftruncate(handle.fd, cut.size)
+                self._fsync(cut, handle)
+        except OSError as error:
+            self._fail_midway("truncate_from", error)
+            raise
         log.warning(
             "truncated table log directory=%s offset=%d row_count=%d lsn_last=%d",
             self._directory,
@@ -354,27 +407,23 @@ class TableLog:
         )
 
     def close(self) -> None:
-        """Close the write fds (no fsync: call `sync` first to keep unsynced appends). Readers
-        already iterating finish their current batch of records on their own fds; later
-        reads raise NodeUnavailable. Writer thread only. Idempotent."""
+        """Close the table's files (no fsync: call `sync` first to keep unsynced appends).
+        Readers already iterating finish their current batch of records on the handle they
+        hold; later reads raise NodeUnavailable. Writer thread only. Idempotent."""
         if self._closed:
             return
-        self._closed = True
-        for fd in self._unsynced_fds:
-            os.close(fd)
-        self._unsynced_fds.clear()
-        if self._write_fd >= 0:
-            os.close(self._write_fd)
-            self._write_fd = -1
         with self._lock:
-            for segment in self._segments:
-                segment.read_fd = None  # Closed when the last reader lets go (_ReadFd).
+            self._closed = True
+            segments = list(self._segments)
+        self._unsynced.clear()
+        for segment in segments:
+            self._forget_handle(segment)  # Closed when the last reader lets go.
 
     def destroy(self) -> None:
         """Close and delete the table's directory (durably)."""
         self.close()
-        shutil.rmtree(self._directory)
-        checkpoint.fsync_dir(self._directory.parent)
+        self._files.rmtree(self._directory)
+        self._files.fsync_dir(self._directory.parent)
 
     # --- any thread ------------------------------------------------------------------------
 
@@ -406,7 +455,13 @@ class TableLog:
     def remove_segments_before(self, timestamp_ms: int, *, keep_rows: int) -> int:
         """Retention: delete sealed segments, oldest first, while the segment's newest record
         is older than timestamp_ms and it holds none of the last keep_rows rows (nor the last
-        record). Returns the number of rows removed; earliest_offset moves up by that much."""
+        record). Returns the number of rows removed; earliest_offset moves up by that much.
+
+        The removal is made durable by the next `sync`, not here: a directory fsync now
+        would also make durable the names of newer segments whose older neighbours may not
+        be synced yet (see `sync`). A power loss before that sync brings the segments back,
+        and the next retention removes them again. So does a restart after an unlink failed
+        (OSError; the segments are forgotten in memory, oldest first, either way)."""
         assert keep_rows >= 0, keep_rows
         removed: list[_Segment] = []
         with self._lock:
@@ -422,12 +477,14 @@ class TableLog:
                     break
                 self._segments.pop(0)
                 self._bytes_total -= segment.size
+                segment.removed = True
                 removed.append(segment)
         if not removed:
             return 0
         for segment in removed:
-            segment.path.unlink()
-        checkpoint.fsync_dir(self._directory)
+            self._forget_handle(segment)
+            self._files.unlink(segment.path)
+        self._directory_dirty = True
         rows_removed = sum(segment.row_count for segment in removed)
         log.info(
             "removed segments directory=%s segments=%d rows=%d earliest_offset=%d",
@@ -450,32 +507,81 @@ class TableLog:
 
     def _roll(self, first_offset: int) -> _Segment:
         """Start a new active segment whose first record will be at first_offset."""
-        path = self._directory / segment_name(first_offset)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o644)
-        if self._write_fd >= 0:
-            self._unsynced_fds.append(self._write_fd)
-        if len(self._unsynced_fds) > _UNSYNCED_SEGMENTS_MAX:
+        if len(self._unsynced) >= _UNSYNCED_SEGMENTS_MAX:
             self._sync_oldest_sealed()
-        self._write_fd = fd
-        self._directory_dirty = True
+        path = self._directory / segment_name(first_offset)
         segment = _Segment(path, first_offset)
+        flags = _DATA_FILE_FLAGS | os.O_CREAT | os.O_EXCL
+        handle = self._open_files.open(self._files, path, flags)  # Nothing changed if it fails.
+        segment.handle = weakref.ref(handle)
+        if self._dirty and self._segments:
+            self._unsynced.append(self._segments[-1])
+        self._dirty = True  # The new file itself, even before its first record.
+        self._directory_dirty = True
         with self._lock:
             self._segments.append(segment)
         log.debug("new segment path=%s", path)
         return segment
 
-    def _sync_oldest_sealed(self) -> None:
-        fd = self._unsynced_fds[0]
-        os.fsync(fd)
-        self._unsynced_fds.pop(0)
-        os.close(fd)
+    def _handle(self, segment: _Segment) -> FileHandle:
+        """The segment's open handle (reopened if OpenFiles dropped it), marked used. The
+        caller holds it for one operation only. Writer thread (readers: `_handle_locked`)."""
+        ref = segment.handle
+        handle = ref() if ref is not None else None
+        if handle is None:
+            with self._lock:
+                return self._handle_locked(segment)
+        handle.used = True
+        return handle
 
-    def _undo_partial_write(self, active: _Segment) -> None:
+    def _handle_locked(self, segment: _Segment) -> FileHandle:
+        assert not segment.removed, segment.path
+        ref = segment.handle
+        handle = ref() if ref is not None else None
+        if handle is None:
+            handle = self._open_files.open(self._files, segment.path, _DATA_FILE_FLAGS)
+            segment.handle = weakref.ref(handle)
+        handle.used = True
+        return handle
+
+    def _forget_handle(self, segment: _Segment) -> None:
+        """Stop holding the segment's fd: it closes once no reader uses it."""
+        ref, segment.handle = segment.handle, None
+        handle = ref() if ref is not None else None
+        if handle is not None:
+            self._open_files.forget(handle)
+
+    def _fsync(self, segment: _Segment, handle: FileHandle) -> None:
+        try:
+            self._files.fsync(handle.fd)
+        except OSError as error:
+            self._write_error = CorruptionError(
+                str(segment.path), segment.size, f"fsync failed: {error}"
+            )
+            raise
+
+    def _sync_oldest_sealed(self) -> None:
+        segment = self._unsynced[0]
+        with self._lock:
+            # Retention may have deleted it meanwhile: nothing left to make durable.
+            handle = None if segment.removed else self._handle_locked(segment)
+        if handle is not None:
+            self._fsync(segment, handle)
+        self._unsynced.pop(0)
+
+    def _fail_midway(self, what: str, error: OSError) -> None:
+        """The files no longer match the index: refuse writes until the table is reopened
+        (recovery then reads what the files hold)."""
+        if self._write_error is None:
+            self._write_error = CorruptionError(
+                str(self._directory), 0, f"{what} failed midway: {error}"
+            )
+
+    def _undo_partial_write(self, active: _Segment, handle: FileHandle) -> None:
         """Cut a failed write back to the last whole record, so later appends cannot land
         after garbage. If even that fails the table cannot be written any more."""
         try:
-            os.ftruncate(self._write_fd, active.size)
+            self._files.ftruncate(handle.fd, active.size)
         except OSError as error:
             self._write_error = CorruptionError(
                 str(active.path), active.size, f"cannot remove a partial write: {error}"
@@ -509,17 +615,18 @@ class TableLog:
             snapshot = self._snapshot(offset, offset_end, truncations)
             if snapshot is None:
                 return
-            segment, read_fd, entries = snapshot
+            segment, handle, entries = snapshot
             for entry in entries:
-                record = self._read_entry(segment, read_fd, entry, truncations)
+                record = self._read_entry(segment, handle, entry, truncations)
                 if record is None:
                     return
                 yield record
+            del handle, snapshot  # Let OpenFiles close it between batches.
             offset = entries[-1].first_offset + entries[-1].row_count
 
     def _snapshot(
         self, offset: int, offset_end: int, truncations: int
-    ) -> tuple[_Segment, _ReadFd, list[_Entry]] | None:
+    ) -> tuple[_Segment, FileHandle, list[_Entry]] | None:
         """The next index entries to read from `offset`, or None if the log was truncated."""
         with self._lock:
             if self._closed:
@@ -533,15 +640,13 @@ class TableLog:
             segment = self._segments[index]
             entries = segment.entries(offset, offset_end)
             assert entries, (offset, offset_end, segment.path)
-            if segment.read_fd is None:
-                segment.read_fd = _ReadFd(segment.path)
-            return segment, segment.read_fd, entries
+            return segment, self._handle_locked(segment), entries
 
     def _read_entry(
-        self, segment: _Segment, read_fd: _ReadFd, entry: _Entry, truncations: int
+        self, segment: _Segment, handle: FileHandle, entry: _Entry, truncations: int
     ) -> DataRecord | None:
         """Read and check one record (pair assertion: it must match its index entry)."""
-        data = os.pread(read_fd.fd, entry.length, entry.position)
+        data = self._files.pread(handle.fd, entry.length, entry.position)
         view = memoryview(data)
         try:
             header = storage_format.decode_header(view)
@@ -569,10 +674,13 @@ class TableLog:
     # --- recovery ------------------------------------------------------------------------
 
     def _recover(self) -> None:
-        """Rebuild the index from the files; cut a torn tail; raise on anything else."""
+        """Rebuild the index from the files; cut a torn tail; raise on anything else. Every
+        segment found is fsynced, and then the directory: what an earlier run wrote (and was
+        killed before syncing) is durable before anything relies on it."""
+        files = self._files
         found = sorted(
             (int(match.group(1)), self._directory / name)
-            for name in os.listdir(self._directory)
+            for name in files.listdir(self._directory)
             if (match := SEGMENT_NAME_PATTERN.fullmatch(name))
         )
         lsn_prev = 0
@@ -586,18 +694,19 @@ class TableLog:
                 )
             segment = _Segment(path, first_offset)
             if i == len(found) - 1:
-                _recover_last(segment, lsn_prev)
+                _recover_last(files, segment, lsn_prev)
             else:
-                _recover_sealed(segment, lsn_prev)
+                _recover_sealed(files, segment, lsn_prev)
             lsn_prev = segment.lsn_last or lsn_prev
             self._segments.append(segment)
         if len(self._segments) > 1 and self._segments[-1].size == 0:
             # A roll that crashed before its first record: the previous segment is the active
             # one again, so that the last segment always holds the last record.
             empty = self._segments.pop()
-            empty.path.unlink()
-            checkpoint.fsync_dir(self._directory)
+            files.unlink(empty.path)
             log.info("removed empty last segment path=%s", empty.path)
+        if found:
+            files.fsync_dir(self._directory)
         if self._segments:
             self._refresh_totals_locked()
 
@@ -606,48 +715,55 @@ def _first_offset(segment: _Segment) -> int:
     return segment.first_offset
 
 
-def _recover_sealed(segment: _Segment, lsn_prev: int) -> None:
-    fd = os.open(segment.path, os.O_RDONLY | os.O_CLOEXEC)
+def _recover_sealed(files: Files, segment: _Segment, lsn_prev: int) -> None:
+    fd = files.open(segment.path, os.O_RDONLY | os.O_CLOEXEC, FILE_MODE)
     try:
-        file_size = os.fstat(fd).st_size
-        failure = _scan(segment, fd, file_size, lsn_prev, verify_payloads=False)
+        file_size = files.size(fd)
+        failure = _scan(files, segment, fd, file_size, lsn_prev, verify_payloads=False)
+        if failure is None and file_size > 0:
+            files.fsync(fd)
     finally:
-        os.close(fd)
+        files.close(fd)
     if failure is not None:
         raise CorruptionError(str(segment.path), failure.position, failure.detail)
     if file_size == 0:
         raise CorruptionError(str(segment.path), 0, "sealed segment is empty")
 
 
-def _recover_last(segment: _Segment, lsn_prev: int) -> None:
-    fd = os.open(segment.path, os.O_RDWR | os.O_CLOEXEC)
+def _recover_last(files: Files, segment: _Segment, lsn_prev: int) -> None:
+    fd = files.open(segment.path, os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
     try:
-        file_size = os.fstat(fd).st_size
-        failure = _scan(segment, fd, file_size, lsn_prev, verify_payloads=True)
-        if failure is None:
-            return
-        if not _is_torn_tail(fd, file_size, failure):
-            raise CorruptionError(str(segment.path), failure.position, failure.detail)
-        log.warning(
-            "truncated torn tail path=%s position=%d detail=%s",
-            segment.path,
-            failure.position,
-            failure.detail,
-        )
-        os.ftruncate(fd, failure.position)
-        os.fsync(fd)
+        file_size = files.size(fd)
+        failure = _scan(files, segment, fd, file_size, lsn_prev, verify_payloads=True)
+        if failure is not None:
+            if not _is_torn_tail(files, fd, file_size, failure):
+                raise CorruptionError(str(segment.path), failure.position, failure.detail)
+            log.warning(
+                "truncated torn tail path=%s position=%d detail=%s",
+                segment.path,
+                failure.position,
+                failure.detail,
+            )
+            files.ftruncate(fd, failure.position)
+        files.fsync(fd)
     finally:
-        os.close(fd)
+        files.close(fd)
 
 
 def _scan(
-    segment: _Segment, fd: int, file_size: int, lsn_prev: int, *, verify_payloads: bool
+    files: Files,
+    segment: _Segment,
+    fd: int,
+    file_size: int,
+    lsn_prev: int,
+    *,
+    verify_payloads: bool,
 ) -> _ScanFailure | None:
     """Index every valid record of the file, in order; the first failure stops the scan."""
     position = 0
     while position < file_size:
         try:
-            header = storage_format.decode_header(os.pread(fd, HEADER_SIZE, position))
+            header = storage_format.decode_header(files.pread(fd, HEADER_SIZE, position))
         except FormatError as error:
             return _ScanFailure(_Failure.HEADER, position, error.detail)
         record_end = position + header.record_size
@@ -655,7 +771,7 @@ def _scan(
             detail = f"record of {header.record_size} bytes runs past the end ({file_size})"
             return _ScanFailure(_Failure.PAST_EOF, position, detail, record_end)
         if verify_payloads:
-            payload = os.pread(fd, header.payload_len, position + HEADER_SIZE)
+            payload = files.pread(fd, header.payload_len, position + HEADER_SIZE)
             try:
                 storage_format.check_payload(header, payload)
             except FormatError as error:
@@ -671,56 +787,36 @@ def _scan(
     return None
 
 
-def _is_torn_tail(fd: int, file_size: int, failure: _ScanFailure) -> bool:
+def _is_torn_tail(files: Files, fd: int, file_size: int, failure: _ScanFailure) -> bool:
     """Whether a failing record can only be an interrupted append: nothing that could be a
     record follows it. A record that checks out but breaks the chain never is."""
     if failure.kind is _Failure.PAST_EOF:
         return True
     if failure.kind is _Failure.HEADER:
         # The length is untrusted; torn only if every byte after the header slot is zero.
-        return _all_zero(fd, failure.position + HEADER_SIZE, file_size)
+        return _all_zero(files, fd, failure.position + HEADER_SIZE, file_size)
     if failure.kind is _Failure.PAYLOAD:
         return file_size - failure.record_end < HEADER_SIZE or _all_zero(
-            fd, failure.record_end, file_size
+            files, fd, failure.record_end, file_size
         )
     return False
 
 
-def _all_zero(fd: int, start: int, end: int) -> bool:
+def _all_zero(files: Files, fd: int, start: int, end: int) -> bool:
     position = start
     while position < end:
-        chunk = os.pread(fd, min(_ZERO_CHECK_CHUNK_BYTES, end - position), position)
+        chunk = files.pread(fd, min(_ZERO_CHECK_CHUNK_BYTES, end - position), position)
         if not chunk or chunk.count(0) != len(chunk):
             return False
         position += len(chunk)
     return True
 
 
-def _ensure_directory(directory: Path) -> None:
-    if directory.is_dir():
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    checkpoint.fsync_dir(directory.parent)
-
-
-def _open_append(path: Path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-
-
-def _truncate_file(path: Path, size: int) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        os.ftruncate(fd, size)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, parts: list[bytes | memoryview], size: int) -> None:
-    """One writev; a short write (rare on regular files) is finished with plain writes."""
-    written = os.writev(fd, parts)
+def _write_all(files: Files, fd: int, parts: list[bytes | memoryview], size: int) -> None:
+    """One writev; a short write (a disk filling up) is finished with plain writes."""
+    written = files.writev(fd, parts)
     if written == size:
         return
     rest = memoryview(b"".join(parts))[written:]
     while rest:
-        rest = rest[os.write(fd, rest) :]
+        rest = rest[files.write(fd, rest) :]

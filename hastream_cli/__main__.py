@@ -1,0 +1,5 @@
+"""`python -m hastream_cli ...`: the `hastream` command."""
+
+from hastream_cli.main import main
+
+main()

@@ -1,0 +1,304 @@
+"""Everything this project changes inside pysyncobj, in one place, for one version.
+
+pysyncobj has no extension points for what replication.py needs, so some of its module
+globals and private (name-mangled) methods are replaced. Each replacement depends on the
+exact code of the version pinned in requirements.txt; `check_pysyncobj` refuses to run on
+another version or when a name a patch relies on is gone, rather than patch code that may
+have changed under it (tests/test_pysyncobj_patches.py has a test per patch).
+
+Process-wide (`install`):
+- `pysyncobj.pickle.__protocol` = 5 (protocol 2 copies every bytes object again);
+- `tcp_connection.zlib` = no compression (Arrow batches are compact; zlib cost ~70 ms/MiB);
+- `syncobj.createJournal` = our fsynced journal (`PysyncobjJournal` over DurableJournal);
+- `syncobj.getEncryptor` = `GmacAuthenticator` (every peer message authenticated before
+  pysyncobj unpickles it);
+- `TcpConnection.send` (drops a link whose unsent bytes pass RAFT_SEND_BUFFER_BYTES_MAX) and
+  `TcpConnection.__processConnectionTimeout` (a silent link is dropped only when this node
+  has been talking on it and nothing waits to be read).
+Per class, in replication.py's `_SyncObj` (listed in `SYNCOBJ_METHODS` for the guard):
+`__applyLogEntries`, `__doApplyCommand`, `__onMessageReceived`, `__sendNextNodeIdx`,
+`__tryLogCompaction`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import itertools
+import logging
+import os
+import socket
+import struct
+import zlib
+from pathlib import Path
+from typing import Any, Final
+
+import pysyncobj.pickle as pysyncobj_pickle
+import pysyncobj.syncobj as pysyncobj_syncobj
+import pysyncobj.tcp_connection as pysyncobj_tcp_connection
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from raftstore import limits
+from raftstore.storage.journal import DurableJournal
+
+log = logging.getLogger(__name__)
+
+# The version every patch below was written against (requirements.txt pins it).
+PYSYNCOBJ_VERSION: Final = "0.3.17"
+_AUTH_SALT: Final = b"hastream-raft-peer-auth-v1"
+
+# Private methods of SyncObj that replication.py replaces or calls.
+SYNCOBJ_METHODS: Final = (
+    "_SyncObj__applyLogEntries",
+    "_SyncObj__doApplyCommand",
+    "_SyncObj__onMessageReceived",
+    "_SyncObj__sendNextNodeIdx",
+    "_SyncObj__tryLogCompaction",
+    "_SyncObj__getEntries",
+    "_SyncObj__setState",
+    "_SyncObj__generateRaftTimeout",
+    "_SyncObj__getCurrentLogIndex",
+)
+# Instance attributes of SyncObj that replication.py reads or writes (checked by the tests
+# on a live instance: they exist only once SyncObj.__init__ ran).
+SYNCOBJ_ATTRIBUTES: Final = (
+    "_SyncObj__commandsQueue",
+    "_SyncObj__commandsWaitingCommit",
+    "_SyncObj__conf",
+    "_SyncObj__connectedNodes",
+    "_SyncObj__lastSerializedEntry",
+    "_SyncObj__noopIDx",
+    "_SyncObj__otherNodes",
+    "_SyncObj__raftCommitIndex",
+    "_SyncObj__raftElectionDeadline",
+    "_SyncObj__raftLastApplied",
+    "_SyncObj__raftLeader",
+    "_SyncObj__raftLog",
+    "_SyncObj__raftMatchIndex",
+    "_SyncObj__raftNextIndex",
+    "_SyncObj__raftState",
+)
+_MODULE_NAMES: Final = (
+    (pysyncobj_pickle, "__protocol"),
+    (pysyncobj_tcp_connection, "zlib"),
+    (pysyncobj_tcp_connection, "monotonicTime"),
+    (pysyncobj_tcp_connection, "CONNECTION_STATE"),
+    (pysyncobj_syncobj, "createJournal"),
+    (pysyncobj_syncobj, "getEncryptor"),
+    (pysyncobj_syncobj, "HAS_CRYPTO"),
+    (pysyncobj_tcp_connection.TcpConnection, "send"),
+    (pysyncobj_tcp_connection.TcpConnection, "getSendBufferSize"),
+    (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processConnectionTimeout"),
+)
+
+_installed = False
+
+
+class UnsupportedPysyncobj(RuntimeError):
+    """The installed pysyncobj is not the version these patches were written for."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            f"pysyncobj {detail}; this node patches pysyncobj {PYSYNCOBJ_VERSION} "
+            "(install requirements.txt)"
+        )
+        self.detail = detail
+
+
+def check_pysyncobj(version: str | None = None) -> None:
+    """Raise UnsupportedPysyncobj unless pysyncobj is PYSYNCOBJ_VERSION with every private
+    name the patches rely on."""
+    installed = version if version is not None else importlib.metadata.version("pysyncobj")
+    if installed != PYSYNCOBJ_VERSION:
+        raise UnsupportedPysyncobj(f"{installed} is installed")
+    for owner, name in _MODULE_NAMES:
+        if not hasattr(owner, name):
+            raise UnsupportedPysyncobj(
+                f"{installed} has no {getattr(owner, '__name__', owner)}.{name}"
+            )
+    for name in SYNCOBJ_METHODS:
+        if not hasattr(pysyncobj_syncobj.SyncObj, name):
+            raise UnsupportedPysyncobj(f"{installed} has no SyncObj.{name}")
+
+
+class GmacAuthenticator:
+    """Stands in for pysyncobj's Fernet encryptor: authenticates, does not encrypt.
+
+    Token: timestamp i64 | nonce (12) | tag (16) | data, where tag = AES-GCM over an empty
+    plaintext with `timestamp | data` as associated data (GMAC), keyed from the cluster
+    secret by PBKDF2. pysyncobj calls `extract_timestamp` then `decrypt` on every message; a
+    bad tag raises and pysyncobj drops the connection before anything is unpickled. GMAC runs
+    at several GB/s with AES-NI, 15x HMAC-SHA256 here, which matters for multi-MiB batches
+    sent to every follower. Nonces are a random per-process prefix and a counter, so they
+    never repeat within a process and collide across processes with odds of 2^-32 per pair.
+    """
+
+    _TIMESTAMP: Final = struct.Struct("<q")
+    _NONCE_BYTES: Final = 12
+    _TAG_BYTES: Final = 16
+
+    def __init__(self, secret: str) -> None:
+        key = hashlib.pbkdf2_hmac("sha256", secret.encode(), _AUTH_SALT, 100_000, dklen=16)
+        self._aead = AESGCM(key)
+        self._nonce_prefix = os.urandom(4)
+        self._counter = itertools.count()
+        self._verified: bytes | None = None
+
+    def encrypt_at_time(self, data: bytes, current_time: int) -> bytes:
+        timestamp = self._TIMESTAMP.pack(current_time)
+        nonce = self._nonce_prefix + next(self._counter).to_bytes(8, "little")
+        tag = self._aead.encrypt(nonce, b"", b"".join((timestamp, data)))
+        return b"".join((timestamp, nonce, tag, data))
+
+    def extract_timestamp(self, token: bytes) -> int:
+        head = self._TIMESTAMP.size + self._NONCE_BYTES + self._TAG_BYTES
+        if len(token) < head:
+            raise ValueError("token too short")
+        timestamp = token[: self._TIMESTAMP.size]
+        nonce = token[self._TIMESTAMP.size : self._TIMESTAMP.size + self._NONCE_BYTES]
+        tag = token[self._TIMESTAMP.size + self._NONCE_BYTES : head]
+        # Raises cryptography's InvalidTag on a forged or damaged message.
+        self._aead.decrypt(nonce, tag, b"".join((timestamp, memoryview(token)[head:])))
+        self._verified = token
+        (value,) = self._TIMESTAMP.unpack(timestamp)
+        return int(value)
+
+    def decrypt(self, token: bytes) -> bytes:
+        if token is not self._verified:
+            self.extract_timestamp(token)
+        self._verified = None
+        return token[self._TIMESTAMP.size + self._NONCE_BYTES + self._TAG_BYTES :]
+
+
+class _NoCompression:
+    """Replaces the `zlib` module inside pysyncobj's tcp_connection."""
+
+    error = zlib.error
+
+    @staticmethod
+    def compress(data: bytes, level: int = -1) -> bytes:
+        return data
+
+    @staticmethod
+    def decompress(data: bytes) -> bytes:
+        return data
+
+
+class PysyncobjJournal:
+    """pysyncobj's journal interface (its journal.py: add, clear, deleteEntriesFrom,
+    deleteEntriesTo, entries by position, term/vote/commit metadata, flush, _destroy) over
+    our DurableJournal, which speaks our names."""
+
+    def __init__(self, durable: DurableJournal) -> None:
+        self.durable = durable
+
+    def add(self, command: bytes, idx: int, term: int) -> None:
+        self.durable.append(command, idx, term)
+
+    def clear(self) -> None:
+        self.durable.truncate_from(0)
+
+    def deleteEntriesFrom(self, entry_from: int) -> None:
+        self.durable.truncate_from(entry_from)
+
+    def deleteEntriesTo(self, entry_to: int) -> None:
+        self.durable.drop_first(entry_to)
+
+    def __getitem__(self, item: int | slice) -> Any:
+        return self.durable[item]
+
+    def __len__(self) -> int:
+        return len(self.durable)
+
+    def _destroy(self) -> None:
+        self.durable.close()
+
+    def setRaftCommitIndex(self, raft_commit_index: int) -> None:
+        self.durable.set_commit_index(raft_commit_index)
+
+    def getRaftCommitIndex(self) -> int:
+        return self.durable.commit_index
+
+    def setCurrentTerm(self, term: int, voted_for_node_id: Any) -> None:
+        self.durable.set_term(term, voted_for_node_id)
+
+    def getCurrentTerm(self) -> int:
+        return self.durable.term
+
+    def getVotedForNodeId(self) -> Any:
+        return self.durable.voted_for
+
+    def onOneSecondTimer(self) -> None:
+        self.durable.store_meta_if_changed()
+
+    def flush(self) -> None:
+        self.durable.sync()
+
+
+def _create_journal(journal_file: str | None) -> PysyncobjJournal:
+    assert journal_file is not None, "every group has a journal directory"
+    return PysyncobjJournal(DurableJournal(Path(journal_file)))
+
+
+def install() -> None:
+    """Install the process-wide patches (identical on every node; idempotent). Refuses a
+    pysyncobj these patches were not written for."""
+    global _installed
+    if _installed:
+        return
+    check_pysyncobj()
+    _installed = True
+    setattr(pysyncobj_pickle, "__protocol", 5)
+    pysyncobj_tcp_connection.zlib = _NoCompression
+    pysyncobj_syncobj.createJournal = _create_journal
+    pysyncobj_syncobj.getEncryptor = GmacAuthenticator
+    pysyncobj_syncobj.HAS_CRYPTO = True
+    connection = pysyncobj_tcp_connection.TcpConnection
+    connection.send = _connection_send
+    connection._TcpConnection__processConnectionTimeout = _connection_timeout
+
+
+_original_connection_send = pysyncobj_tcp_connection.TcpConnection.send
+
+
+def _connection_send(self: Any, message: Any) -> None:
+    _original_connection_send(self, message)  # its timeout check sees the previous send
+    self._hastream_last_send = pysyncobj_tcp_connection.monotonicTime()
+    unsent = self.getSendBufferSize()
+    if unsent > limits.RAFT_SEND_BUFFER_BYTES_MAX:
+        log.warning("dropping raft link: %d unsent bytes, the peer is not reading", unsent)
+        self.disconnect()
+
+
+def _connection_timeout(self: Any) -> None:
+    # Replaces TcpConnection.__processConnectionTimeout, which drops a link after
+    # connectionTimeout without reads, checked on every send and every poll event. Silence
+    # only means a dead or frozen peer when this node has been talking to it; so a link is
+    # kept when bytes wait to be read (the peer is alive; the read that follows resets the
+    # clock) or when this node had not sent on it within the timeout either (an idle link:
+    # the message now being sent, e.g. a vote request, must go out, not be dropped).
+    now = pysyncobj_tcp_connection.monotonicTime()
+    timeout = self._TcpConnection__timeout
+    if now - self._TcpConnection__lastReadTime <= timeout:
+        return
+    state = self._TcpConnection__state
+    if state == pysyncobj_tcp_connection.CONNECTION_STATE.CONNECTING:
+        self.disconnect()
+        return
+    if _bytes_waiting(self._TcpConnection__socket):
+        return
+    if now - getattr(self, "_hastream_last_send", float("-inf")) <= timeout:
+        self.disconnect()
+
+
+def _bytes_waiting(sock: socket.socket | None) -> bool:
+    """True when a read on `sock` would not block: data, end of stream or an error."""
+    if sock is None:
+        return False
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return True

@@ -1,0 +1,119 @@
+"""Long chaos runs from the command line (the CI runs short ones through pytest).
+
+    python -m tests.chaos.run random --minutes 30 --seed 7
+    python -m tests.chaos.run random --minutes 30 --seeds 5          # 5 runs, seeds 1..5
+    python -m tests.chaos.run random --minutes 10 --faults kill stop restart low-fd
+    python -m tests.chaos.run campaign --rounds 20 --nodes 3 5       # every class, both sizes
+    python -m tests.chaos.run campaign --rounds 20 --class flip-data kill-leader
+
+Each run prints its report (problems, then the events with their times) and the seed that
+reproduces it; the exit code is 1 if any run found a problem. Needs root for the tmpfs data
+disks (`--no-disks` leaves the disk-full faults out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from tests.chaos import faults
+from tests.chaos.campaign import FaultClass, run_campaign
+from tests.chaos.randomized import FAULTS, run_random
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.chaos.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--no-disks", action="store_true", help="no tmpfs, no disk-full faults")
+    parser.add_argument("--verbose", action="store_true", help="log the clients (INFO)")
+    sub = parser.add_subparsers(dest="mode", required=True)
+    random_run = sub.add_parser("random", help="the seeded randomised run")
+    random_run.add_argument("--minutes", type=float, default=30.0)
+    random_run.add_argument("--seed", type=int, default=None, help="default: from the clock")
+    random_run.add_argument("--seeds", type=int, default=1, help="runs, seeds seed..seed+N-1")
+    random_run.add_argument(
+        "--faults",
+        nargs="+",
+        default=None,
+        choices=sorted(FAULTS),
+        help="only these faults (default: all)",
+    )
+    campaign = sub.add_parser("campaign", help="rounds of each fault class")
+    campaign.add_argument("--rounds", type=int, default=20)
+    campaign.add_argument("--nodes", type=int, nargs="+", default=[3, 5])
+    campaign.add_argument("--seed", type=int, default=1)
+    campaign.add_argument(
+        "--class",
+        dest="classes",
+        nargs="+",
+        default=None,
+        choices=[fault.value for fault in FaultClass],
+    )
+    return parser.parse_args(argv)
+
+
+def _random(args: argparse.Namespace, disks: bool) -> bool:
+    first = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    passed = True
+    for seed in range(first, first + args.seeds):
+        result = run_random(
+            seed, duration_s=args.minutes * 60, disks=disks, fault_names=args.faults
+        )
+        print(result.report, flush=True)
+        print(
+            f"RESULT random seed={seed} {'PASS' if result.passed else 'FAIL'} "
+            f"faults={result.faults} acked_rows={result.acked_rows} "
+            f"elapsed_s={result.elapsed_s:.0f}  (reproduce: python -m tests.chaos.run "
+            f"random --minutes {args.minutes:g} --seed {seed})",
+            flush=True,
+        )
+        passed &= result.passed
+    return passed
+
+
+def _campaign(args: argparse.Namespace, disks: bool) -> bool:
+    classes = [FaultClass(value) for value in args.classes] if args.classes else list(FaultClass)
+    summary: list[str] = []
+    for nodes in args.nodes:
+        for fault in classes:
+            if not fault.fits(nodes) or (fault.needs_disks and not disks):
+                continue
+            result = run_campaign(
+                fault, nodes=nodes, rounds=args.rounds, seed=args.seed, disks=disks
+            )
+            print(result.report, flush=True)
+            line = (
+                f"{fault.value:20} nodes={nodes} {'PASS' if result.passed else 'FAIL'} "
+                f"rounds={result.rounds_done}/{args.rounds} acked_rows={result.acked_rows} "
+                f"elapsed_s={result.elapsed_s:.0f} seed={args.seed}"
+            )
+            print(f"RESULT {line}", flush=True)
+            summary.append(line)
+    print("\n".join(["SUMMARY", *summary]))
+    return all(" PASS " in line for line in summary)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    disks = not args.no_disks
+    if disks:
+        refusal = faults.tmpfs_refusal(faults.scratch_dir())
+        if refusal is not None:
+            print(f"{refusal}; running without disk-full faults", file=sys.stderr)
+            disks = False
+    passed = _random(args, disks) if args.mode == "random" else _campaign(args, disks)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""pysyncobj_patches.py: the version guard, and one test per patch (the GMAC authenticator
+and the link timeouts have their own files: test_peer_auth.py, test_peer_links.py)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pysyncobj.pickle as pysyncobj_pickle
+import pysyncobj.syncobj as pysyncobj_syncobj
+import pysyncobj.tcp_connection as pysyncobj_tcp_connection
+import pytest
+from pysyncobj import SyncObj, SyncObjConf
+
+from raftstore import pysyncobj_patches
+from raftstore.pysyncobj_patches import PysyncobjJournal, UnsupportedPysyncobj
+from raftstore.storage.journal import DurableJournal
+
+
+def test_the_installed_pysyncobj_is_the_one_the_patches_were_written_for() -> None:
+    pysyncobj_patches.check_pysyncobj()
+
+
+def test_another_pysyncobj_version_is_refused_by_name() -> None:
+    with pytest.raises(UnsupportedPysyncobj, match=r"0\.3\.99 is installed.*0\.3\.17"):
+        pysyncobj_patches.check_pysyncobj("0.3.99")
+
+
+def test_every_private_method_the_patches_replace_or_call_exists() -> None:
+    for name in pysyncobj_patches.SYNCOBJ_METHODS:
+        assert callable(getattr(SyncObj, name)), name
+
+
+def test_every_private_attribute_the_adapter_touches_exists_on_a_live_syncobj(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    conf = SyncObjConf(autoTick=False, journalFile=str(tmp_path / "journal"))
+    member = SyncObj(f"127.0.0.1:{port}", [], conf=conf)
+    try:
+        for name in pysyncobj_patches.SYNCOBJ_ATTRIBUTES:
+            assert hasattr(member, name), name
+    finally:
+        member.destroy()
+
+
+def test_install_replaces_the_module_globals() -> None:
+    pysyncobj_patches.install()
+    assert getattr(pysyncobj_pickle, "__protocol") == 5
+    assert pysyncobj_tcp_connection.zlib is pysyncobj_patches._NoCompression
+    assert pysyncobj_syncobj.createJournal is pysyncobj_patches._create_journal
+    assert pysyncobj_syncobj.getEncryptor is pysyncobj_patches.GmacAuthenticator
+    connection = pysyncobj_tcp_connection.TcpConnection
+    assert connection.send is pysyncobj_patches._connection_send
+    timeout = connection._TcpConnection__processConnectionTimeout
+    assert timeout is pysyncobj_patches._connection_timeout
+    pysyncobj_patches.install()  # idempotent
+
+
+def test_messages_are_not_compressed() -> None:
+    data = b"\x00" * 1000
+    assert pysyncobj_patches._NoCompression.compress(data) is data
+    assert pysyncobj_patches._NoCompression.decompress(data) is data
+
+
+def test_the_journal_adapter_maps_pysyncobj_calls_onto_the_durable_journal(
+    tmp_path: Path,
+) -> None:
+    journal = PysyncobjJournal(DurableJournal(tmp_path / "journal"))
+    for idx in range(1, 6):
+        journal.add(b"entry%d" % idx, idx, 1)
+    journal.flush()
+    assert len(journal) == 5
+    assert journal[0] == (b"entry1", 1, 1)
+    journal.deleteEntriesFrom(3)  # pysyncobj: drop positions 3.. (a conflicting tail)
+    assert [entry[1] for entry in journal[:]] == [1, 2, 3]
+    journal.deleteEntriesTo(1)  # pysyncobj: drop positions ..1 (compaction)
+    assert [entry[1] for entry in journal[:]] == [2, 3]
+    journal.setCurrentTerm(4, "node2")
+    journal.setRaftCommitIndex(3)
+    assert (journal.getCurrentTerm(), journal.getVotedForNodeId()) == (4, "node2")
+    assert journal.getRaftCommitIndex() == 3
+    journal.onOneSecondTimer()
+    journal._destroy()
+    reopened = DurableJournal(tmp_path / "journal")
+    assert [entry[1] for entry in reopened[:]] == [2, 3]
+    assert reopened.term == 4
+    reopened.close()
