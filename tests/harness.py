@@ -113,9 +113,18 @@ def wait_replicas_settled(
 
 
 def assert_replicas_hold_exactly(
-    cluster: LocalCluster, table: str, acked: list[int], key: str = "id", *, ordered: bool = True
+    cluster: LocalCluster,
+    table: str,
+    acked: list[int],
+    key: str = "id",
+    *,
+    ordered: bool = True,
+    group: int = 2,
 ) -> None:
-    """Every acknowledged row is present exactly once, in the same order, on every replica."""
+    """Every acknowledged row is present exactly once, in the same order, on every replica.
+    Settles first: a row count seen equal is the replicated count, which a replica restoring
+    a checkpoint or repairing from a peer reports before its files hold the rows."""
+    wait_replicas_settled(cluster, table, group)
     tables = {alias: cluster.read_table(alias, table) for alias in cluster.alive()}
     reference: list[int] | None = None
     for alias, data in tables.items():

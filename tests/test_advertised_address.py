@@ -233,6 +233,6 @@ def test_catch_up_from_peers_uses_the_cfg_address_not_the_advertised_one(
         )
         assert cluster.group_status(follower, GROUP)["checkpoints_loaded"] >= 1
         assert "catch-up from" not in cluster.log_tail(follower, 400)  # no failed fetch
-        assert_replicas_hold_exactly(cluster, "caught", publisher.acked)
+        assert_replicas_hold_exactly(cluster, "caught", publisher.acked, group=GROUP)
     finally:
         cluster.stop()

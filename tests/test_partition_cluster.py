@@ -260,7 +260,7 @@ def test_publishes_and_the_subscriber_leave_a_silent_leader_within_2s_of_the_ele
         assert not load.pipelined.errors, load.pipelined.errors
         for table, acks in (("ticks", load.unary), ("ticks_pipe", load.pipelined)):
             wait_replicas_settled(cluster, table, GROUP)
-            assert_replicas_hold_exactly(cluster, table, acks.ids)
+            assert_replicas_hold_exactly(cluster, table, acks.ids, group=GROUP)
             for alias in ALIASES:  # exactly the acknowledged rows, in publish order
                 assert cluster.read_table(alias, table).column("id").to_pylist() == acks.ids
         assert load.pipelined.ids == list(range(load.submitted))

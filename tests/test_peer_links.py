@@ -102,17 +102,26 @@ def test_send_buffer_past_the_cap_drops_the_link(
 
 @pytest.mark.cluster
 def test_leader_kill_on_an_idle_cluster_takes_one_election(tmp_path: Path) -> None:
+    """Before the fix, the vote request on the idle follower-follower link was dropped and
+    the first election after a leader kill always failed. A split vote (both followers
+    timing out together) can also cost a term on a loaded machine, by chance: so the kill
+    is tried up to three times, and one single-election failover shows the link works."""
     cluster = LocalCluster(tmp_path / "cluster", election_timeout_s=0.5).start()
+    terms_taken: list[int] = []
     try:
-        leader = cluster.leader()
-        term = cluster.group_status(leader, 2)["term"]
-        # Let the follower-follower link idle past connectionTimeout (2 x 0.5 s): before the
-        # fix, the vote request on it was dropped and the first election always failed.
-        idle_since = time.monotonic()
-        wait_until(lambda: time.monotonic() - idle_since > 2.5, timeout_s=10)
-        cluster.kill(leader)
-        new_leader = cluster.leader(timeout_s=30)
-        assert new_leader != leader
-        assert cluster.group_status(new_leader, 2)["term"] == term + 1
+        for _ in range(3):
+            leader = cluster.leader()
+            term = cluster.group_status(leader, 2)["term"]
+            # Let the follower-follower link idle past connectionTimeout (2 x 0.5 s).
+            idle_since = time.monotonic()
+            wait_until(lambda: time.monotonic() - idle_since > 2.5, timeout_s=10)
+            cluster.kill(leader)
+            new_leader = cluster.leader(timeout_s=30)
+            assert new_leader != leader
+            terms_taken.append(cluster.group_status(new_leader, 2)["term"] - term)
+            if terms_taken[-1] == 1:
+                break
+            cluster.start_node(leader)
+        assert 1 in terms_taken, f"no failover took one election: terms taken {terms_taken}"
     finally:
         cluster.stop()
