@@ -40,6 +40,7 @@ from api_clients.types import Filter, Handler, TableInfo
 from hastream import wire
 from hastream.errors import InvalidArgument, RaftStoreError
 from hastream.model import LOCAL_GROUP, topic_name
+from hastream.tls import ClientTls
 from proto import hastream_pb2, hastream_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,9 @@ class Session:
     Keep it below the cluster's election timeout: the followers name the new leader only
     after an election anyway, and asking earlier costs a few cheap calls.
     `userid`/`password` are accepted for DolphinDB compatibility; the cluster has no
-    authentication yet, so they are not sent (and the password is not kept).
+    user authentication yet, so they are not sent (and the password is not kept).
+    `tls`: connect over TLS (the nodes' `tlsCertFile`...; see hastream.tls.ClientTls); the
+    files are read here, so a wrong path fails now, naming the option.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class Session:
         backoff_max_s: float = BACKOFF_MAX_S,
         channel_options: Iterable[tuple[str, Any]] = (),
         hedge_delay_s: float | None = HEDGE_DELAY_S_DEFAULT,
+        tls: ClientTls | None = None,
     ) -> None:
         del password  # Never kept: see the class docstring.
         parsed = list(dict.fromkeys(parse_site(site) for site in sites))
@@ -145,7 +149,10 @@ class Session:
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._hedge_delay_s = hedge_delay_s
-        self._channel_options = (*CHANNEL_OPTIONS, *channel_options)
+        self._channel_options: tuple[tuple[str, Any], ...] = (*CHANNEL_OPTIONS, *channel_options)
+        self._credentials = None if tls is None else _channel_credentials(tls)
+        if tls is not None and tls.server_name is not None:
+            self._channel_options += (("grpc.ssl_target_name_override", tls.server_name),)
         self._lock = threading.Lock()
         self._sites: list[str] = parsed
         self._channels: dict[str, grpc.Channel] = {}
@@ -306,7 +313,11 @@ class Session:
                 raise RuntimeError("session is closed")
             stub = self._stubs.get(site)
             if stub is None:
-                channel = grpc.insecure_channel(site, options=self._channel_options)
+                channel = (
+                    grpc.insecure_channel(site, options=self._channel_options)
+                    if self._credentials is None
+                    else grpc.secure_channel(site, self._credentials, self._channel_options)
+                )
                 stub = hastream_pb2_grpc.StreamTableStub(channel)
                 self._channels[site] = channel
                 self._stubs[site] = stub
@@ -388,6 +399,8 @@ class Session:
                 if decision.action is Action.DONE:
                     return None
                 if decision.target is None or (decision.backoff and not backoff.wait()):
+                    if isinstance(error, transport.SiteUnavailable):
+                        error = transport.with_tls_hint(error, self._credentials is not None)
                     raise error from None
                 memory, target = decision.state, decision.target
             else:
@@ -680,11 +693,28 @@ def connect(
     *,
     timeout_s: float = ATTEMPT_TIMEOUT_S_DEFAULT,
     deadline_s: float = DEADLINE_S_DEFAULT,
+    tls: bool = False,
+    caFile: str | None = None,
+    certFile: str | None = None,
+    keyFile: str | None = None,
 ) -> Session:
     """DolphinDB's `connect`: a session on `host:port`, failing over to
     `highAvailabilitySites` (`host:port[:alias]` strings). Connects lazily: no network
-    call happens until the first request."""
+    call happens until the first request. `tls=True` (implied by any of the files):
+    TLS, trusting `caFile` (default: the system's roots), presenting `certFile`/`keyFile`
+    to nodes that require a client certificate."""
     sites = [f"{host}:{port}", *(highAvailabilitySites or ())]
+    wants_tls = tls or any(path is not None for path in (caFile, certFile, keyFile))
     return Session(
-        sites, userid=userid, password=password, timeout_s=timeout_s, deadline_s=deadline_s
+        sites,
+        userid=userid,
+        password=password,
+        timeout_s=timeout_s,
+        deadline_s=deadline_s,
+        tls=ClientTls(caFile, certFile, keyFile) if wants_tls else None,
     )
+
+
+def _channel_credentials(tls: ClientTls) -> grpc.ChannelCredentials:
+    pem = tls.read()
+    return grpc.ssl_channel_credentials(pem.ca, pem.private_key, pem.cert_chain)

@@ -60,6 +60,27 @@ class SiteUnavailable(TransportError):
         return {"site": self.site, "code": self.code, "details": self.details}
 
 
+def with_tls_hint(error: SiteUnavailable, tls: bool) -> SiteUnavailable:
+    """`error` with what a failed connection most likely means for TLS, when its details
+    show the handshake failed (gRPC only says "Socket closed" when a node refuses a
+    plaintext client, or a TLS client without the certificate it requires)."""
+    details = error.details
+    if "WRONG_VERSION_NUMBER" in details:
+        hint = "the node does not speak TLS: connect without tls/caFile"
+    elif "handshake failed" in details.lower():
+        hint = "the node's TLS certificate was refused: is caFile the CA that signed it?"
+    elif "Socket closed" not in details:
+        return error
+    elif tls:
+        hint = (
+            "the node closed the TLS handshake: with tlsClientAuth=require it needs a client "
+            "certificate signed by its CA (certFile/keyFile)"
+        )
+    else:
+        hint = "the node closed the connection: if it has TLS on, connect with tls=True/caFile"
+    return SiteUnavailable(error.site, error.code, f"{details} [{hint}]")
+
+
 class DeadlineExceeded(TransportError):
     """One attempt on `site` got no answer within `timeout_s` (None: the stream had no
     deadline). The request may have been applied: its outcome is unknown."""

@@ -66,17 +66,17 @@ def _in_flight(count: int) -> None:
 
 
 def _authenticator_class() -> Any:
-    """The class the node plugs into pysyncobj as its 'encryptor' (AES-GMAC)."""
+    """The class the node plugs into pysyncobj as its encryptor (AES-GCM)."""
     from raftstore import pysyncobj_patches
 
-    return pysyncobj_patches.GmacAuthenticator
+    return pysyncobj_patches.AesGcmEncryptor
 
 
 @patch("no-auth")
 def no_auth() -> None:
-    """Measurement only, NOT a proposal: the peer authenticator (replication.py) keeps its
-    framing (an 8-byte timestamp) but computes and checks no MAC, so the cost of
-    authenticating every peer message shows as the difference."""
+    """Measurement only, NOT a proposal: the peer encryptor (pysyncobj_patches.py) keeps its
+    framing (an 8-byte timestamp) but neither encrypts nor checks a tag, so the cost of
+    encrypting and authenticating every peer message shows as the difference."""
     stamp = struct.Struct("<q")
     authenticator = _authenticator_class()
     authenticator.encrypt_at_time = lambda self, data, now: stamp.pack(now) + data

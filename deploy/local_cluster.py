@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 import grpc
 import pyarrow as pa
 
+from deploy.dev_tls import DevCA
+from hastream.tls import ClientTls
 from proto import hastream_pb2 as pb
 from proto import hastream_pb2_grpc
 
@@ -119,6 +121,8 @@ class LocalCluster:
     launch_prefix: dict[str, tuple[str, ...]] = field(default_factory=dict)
     nodes: dict[str, NodeProcess] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # enable_metrics()
+    # enable_tls(): what the harness's own channels (stub) connect with
+    client_tls: ClientTls | None = None
     _channels: dict[str, grpc.Channel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -167,6 +171,23 @@ class LocalCluster:
         self.add_config_lines(*(f"{alias}.metricsPort={port}" for alias, port in ports.items()))
         self.metrics_ports = ports
         return ports
+
+    def enable_tls(self, *, client_auth: bool = False) -> DevCA:
+        """TLS on every node's client port, with a development CA under `root/tls` and one
+        certificate per node; `client_auth`: mutual TLS (tlsClientAuth=require). The
+        harness's channels then use a client certificate of the same CA. Only before the
+        nodes first start."""
+        ca = DevCA.create(self.root / "tls")
+        for alias, node in self.nodes.items():
+            issued = ca.issue(alias, (node.host,))
+            self.add_config_lines(
+                f"{alias}.tlsCertFile={issued.cert_file}", f"{alias}.tlsKeyFile={issued.key_file}"
+            )
+        self.add_config_lines(f"tlsCAFile={ca.ca_file}")
+        if client_auth:
+            self.add_config_lines("tlsClientAuth=require")
+        self.client_tls = ca.client("harness")
+        return ca
 
     def add_config_lines(self, *lines: str) -> None:
         """Append `key=value` lines to the cluster.cfg. Only before the nodes first start."""
@@ -322,13 +343,16 @@ class LocalCluster:
     def stub(self, alias: str) -> hastream_pb2_grpc.StreamTableStub:
         channel = self._channels.get(alias)
         if channel is None:
-            channel = grpc.insecure_channel(
-                self.nodes[alias].site,
-                options=[
-                    ("grpc.max_receive_message_length", 64 << 20),
-                    ("grpc.max_send_message_length", 64 << 20),
-                ],
-            )
+            options = [
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+            ]
+            if self.client_tls is None:
+                channel = grpc.insecure_channel(self.nodes[alias].site, options=options)
+            else:
+                pem = self.client_tls.read()
+                credentials = grpc.ssl_channel_credentials(pem.ca, pem.private_key, pem.cert_chain)
+                channel = grpc.secure_channel(self.nodes[alias].site, credentials, options)
             self._channels[alias] = channel
         return hastream_pb2_grpc.StreamTableStub(channel)
 

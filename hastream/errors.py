@@ -378,6 +378,20 @@ class CheckpointDeferred(RaftStoreError):
         return {"group_id": self.group_id, "reason": self.reason}
 
 
+class Unauthenticated(RaftStoreError):
+    """The call carries no valid credentials for what it asks (a peer-only RPC called
+    without the cluster's signature, a forged or replayed one). Nothing was done."""
+
+    grpc_code = "UNAUTHENTICATED"
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"unauthenticated: {reason}")
+
+    def fields(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+
 class PeerProtocolError(RaftStoreError):
     """A peer answered a catch-up fetch with something else than what was asked (a wrong
     offset, a record from after the restored state). The next peer is tried."""
@@ -421,6 +435,7 @@ _BY_NAME: Final[dict[str, type[RaftStoreError]]] = {
         CheckpointDeferred,
         PeerProtocolError,
         IncarnationDropped,
+        Unauthenticated,
     )
 }
 

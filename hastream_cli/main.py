@@ -24,6 +24,7 @@ from deploy.docker import tool
 from deploy.docker.deployment import load as load_deployment
 from hastream import wire
 from hastream.errors import ConfigError, RaftStoreError, TopicNotFound
+from hastream.tls import ClientTls
 from hastream_cli import render
 
 SITES_DEFAULT: Final = "127.0.0.1:8901,127.0.0.1:8902,127.0.0.1:8903"
@@ -42,8 +43,10 @@ class Context:
         deadline_s: float,
         user: str | None,
         password: str | None,
+        tls: ClientTls | None = None,
     ) -> None:
         self.sites = sites
+        self.tls = tls
         self.config_path = config_path
         self.as_json = as_json
         self.deadline_s = deadline_s
@@ -52,7 +55,11 @@ class Context:
 
     def session(self) -> Session:
         return Session(
-            self.sites, userid=self.user, password=self.password, deadline_s=self.deadline_s
+            self.sites,
+            userid=self.user,
+            password=self.password,
+            deadline_s=self.deadline_s,
+            tls=self.tls,
         )
 
     def emit(self, document: Any, text: str) -> None:
@@ -97,6 +104,18 @@ def common(command: F) -> F:
     )
     @click.option("--user", envvar="HASTREAM_USER", default=None, help="user name")
     @click.option("--password", envvar="HASTREAM_PASSWORD", default=None, help="password")
+    @click.option("--tls", is_flag=True, envvar="HASTREAM_TLS", help="connect over TLS")
+    @click.option(
+        "--ca-file",
+        envvar="HASTREAM_CA_FILE",
+        help="PEM of the CA that signed the nodes' certificates (implies --tls)",
+    )
+    @click.option(
+        "--cert-file",
+        envvar="HASTREAM_CERT_FILE",
+        help="this client's certificate, for tlsClientAuth=require (implies --tls)",
+    )
+    @click.option("--key-file", envvar="HASTREAM_KEY_FILE", help="the key of --cert-file")
     @functools.wraps(command)
     def wrapper(
         sites: str | None,
@@ -105,11 +124,22 @@ def common(command: F) -> F:
         deadline_s: float,
         user: str | None,
         password: str | None,
+        tls: bool,
+        ca_file: str | None,
+        cert_file: str | None,
+        key_file: str | None,
         **kwargs: Any,
     ) -> Any:
         try:
+            wants_tls = tls or any(path is not None for path in (ca_file, cert_file, key_file))
             context = Context(
-                resolve_sites(sites, config_path), config_path, as_json, deadline_s, user, password
+                resolve_sites(sites, config_path),
+                config_path,
+                as_json,
+                deadline_s,
+                user,
+                password,
+                ClientTls(ca_file, cert_file, key_file) if wants_tls else None,
             )
             return command(context, **kwargs)
         except ConfigError as error:
@@ -491,7 +521,7 @@ def rolling_restart(
     """
     control = _control(ctx, docker, run_dir, name, state_dir)
     steps = []
-    with Session(rolling.sites_of(control), deadline_s=ctx.deadline_s) as session:
+    with Session(rolling.sites_of(control), deadline_s=ctx.deadline_s, tls=ctx.tls) as session:
 
         def report(step: rolling.RestartStep) -> None:
             steps.append(step)

@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         Node(cluster, args.node, rejoin=rejoin).run()
+    except ConfigError as error:  # e.g. a TLS file that cannot be read
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
     except DirectoryLocked as error:
         print(f"cannot start: {error}", file=sys.stderr)
         return 3

@@ -304,6 +304,7 @@ class Applier:
             # Files of this very incarnation that fail their checks: they held rows of this
             # table, which the coming entries (replay) or a repair bring back.
             self._quarantine(meta, error.detail)
+            self.corruptions_repaired += 1
             store = self._open(meta, self._directory(meta))
         with self._lock:
             self._stores[meta.table] = store
@@ -318,7 +319,6 @@ class Applier:
         if gap is not None and gap.created_lsn == created_lsn:
             del self._gaps[table]  # dropped: its rows are not needed any more
             self._restart_repair()
-            remove_tree(self._files, self._data_dir / REPAIR_DIR / f"{table}.{created_lsn}")
         with self._lock:
             store = self._stores.get(table)
             if store is not None and store.meta.created_lsn == created_lsn:

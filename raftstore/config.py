@@ -6,7 +6,8 @@ of the line (there are no trailing comments, so a secret may contain `#`). Keys:
 
     streamingHAMode=raft                              required; only "raft"
     streamingRaftGroups=2:node1:node2:node3,3:...     required; groupId (>= 2) then >= 3 aliases
-    streamingRaftSecret=...                           required; authenticates Raft peer traffic
+    streamingRaftSecret=...                           required; encrypts Raft traffic and
+                                                      signs the nodes' calls to each other
     persistenceDir=data/<ALIAS>/persistence           data files; global or per node
     streamingHADir=data/<ALIAS>/raftlog               Raft log; global or per node
     streamingHAPurgeInterval=300                      seconds between checkpoints (> 0)
@@ -21,6 +22,12 @@ of the line (there are no trailing comments, so a secret may contain `#`). Keys:
                                                       status page, bound on node1.host
     streamingPreferredLeaders=2:node1,3:node2         optional: a group's leader moves back
                                                       to its preferred node when that is healthy
+    tlsCertFile=... tlsKeyFile=... tlsCAFile=...      optional, global or per node (`<ALIAS>`
+                                                      allowed), all three on every node or on
+                                                      none: TLS on the client port; peers
+                                                      verify each other with the CA
+    tlsClientAuth=none                                or `require`: clients and peers present a
+                                                      certificate signed by tlsCAFile (mTLS)
 
 A node binds its gRPC and Raft ports on `host`, and its peers dial `host:port` (catch-up)
 and `host:<raft port>`. `advertisedHost:advertisedPort` is what the node is called when
@@ -61,6 +68,14 @@ KEY_DIGEST_INTERVAL: Final = "streamingDigestInterval"
 KEY_AUTO_REJOIN: Final = "streamingAutoRejoin"
 KEY_PREFERRED_LEADERS: Final = "streamingPreferredLeaders"
 KEY_TABLES_MAX: Final = "streamingTablesMax"
+# TLS on the client port (global or per node; all nodes or none): the node's certificate
+# and key, and the CA that signed every node's certificate (peers verify each other).
+KEY_TLS_CERT: Final = "tlsCertFile"
+KEY_TLS_KEY: Final = "tlsKeyFile"
+KEY_TLS_CA: Final = "tlsCAFile"
+KEY_TLS_CLIENT_AUTH: Final = "tlsClientAuth"  # global: none | require
+TLS_FILE_KEYS: Final = (KEY_TLS_CERT, KEY_TLS_KEY, KEY_TLS_CA)
+TLS_CLIENT_AUTH_VALUES: Final = ("none", "require")
 GLOBAL_KEYS: Final = (
     KEY_MODE,
     KEY_GROUPS,
@@ -74,6 +89,8 @@ GLOBAL_KEYS: Final = (
     KEY_AUTO_REJOIN,
     KEY_PREFERRED_LEADERS,
     KEY_TABLES_MAX,
+    *TLS_FILE_KEYS,
+    KEY_TLS_CLIENT_AUTH,
 )
 # Per-node keys: `<alias>.<field>`.
 FIELD_HOST: Final = "host"
@@ -91,6 +108,7 @@ NODE_FIELDS: Final = (
     KEY_PERSISTENCE_DIR,
     KEY_HA_DIR,
     FIELD_METRICS_PORT,
+    *TLS_FILE_KEYS,
 )
 
 HA_MODE_RAFT: Final = "raft"
@@ -129,6 +147,8 @@ class NodeConfig:
     ha_dir: Path  # absolute, <ALIAS> substituted
     # Prometheus metrics and the status page (HTTP, on `host`); None: not served.
     metrics_port: int | None = None
+    # TLS on the client port (and on the calls to its peers); None: plaintext.
+    tls: NodeTls | None = None
 
     def raft_port(self, group_id: int) -> int:
         """This node's Raft port for `group_id`. Asking for a group the node is not in is a
@@ -152,6 +172,17 @@ class NodeConfig:
     def advertised_address(self) -> NodeAddress:
         """The gRPC endpoint clients are told, `advertisedHost:advertisedPort:alias`."""
         return NodeAddress(host=self.advertised_host, port=self.advertised_port, alias=self.alias)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeTls:
+    """A node's TLS files (absolute). `client_auth`: clients and peers must present a
+    certificate signed by `ca_file` (mutual TLS)."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+    client_auth: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -241,6 +272,7 @@ def parse(text: str, path: Path) -> ClusterConfig:
         _parse_node(where, path.parent, alias, fields, global_values, groups)
         for alias, fields in node_values.items()
     )
+    _check_tls_everywhere_or_nowhere(where, nodes)
     _check_ports_unique(where, nodes)
     _check_advertised_unique(where, nodes)
     _check_dirs_disjoint(where, nodes)
@@ -304,6 +336,12 @@ def render(cluster: ClusterConfig) -> str:
             lines.append(f"{node.alias}.{KEY_HA_DIR}={_renderable(str(node.ha_dir))}")
         if node.metrics_port is not None:
             lines.append(f"{node.alias}.{FIELD_METRICS_PORT}={node.metrics_port}")
+        if node.tls is not None:
+            lines.append(f"{node.alias}.{KEY_TLS_CERT}={_renderable(str(node.tls.cert_file))}")
+            lines.append(f"{node.alias}.{KEY_TLS_KEY}={_renderable(str(node.tls.key_file))}")
+            lines.append(f"{node.alias}.{KEY_TLS_CA}={_renderable(str(node.tls.ca_file))}")
+    if any(node.tls is not None and node.tls.client_auth for node in cluster.nodes):
+        lines.insert(1, f"{KEY_TLS_CLIENT_AUTH}=require")
     return "\n".join(lines) + "\n"
 
 
@@ -617,7 +655,49 @@ def _parse_node(
         persistence_dir=persistence_dir,
         ha_dir=ha_dir,
         metrics_port=metrics_port,
+        tls=_parse_tls(where, base_dir, alias, fields, global_values),
     )
+
+
+def _parse_tls(
+    where: str, base_dir: Path, alias: str, fields: dict[str, str], global_values: dict[str, str]
+) -> NodeTls | None:
+    """The node's TLS files (each its own override, else the global value; `<ALIAS>`
+    substituted): all three, or none. The files are read when the node starts."""
+    paths: dict[str, Path] = {}
+    for key in TLS_FILE_KEYS:
+        value = fields.get(key, global_values.get(key))
+        if value is not None and value != "":
+            paths[key] = Path(os.path.normpath(base_dir / value.replace(ALIAS_PLACEHOLDER, alias)))
+    auth = global_values.get(KEY_TLS_CLIENT_AUTH, "none")
+    if auth not in TLS_CLIENT_AUTH_VALUES:
+        reason = "expected " + " or ".join(TLS_CLIENT_AUTH_VALUES)
+        raise ConfigError(where, KEY_TLS_CLIENT_AUTH, auth, reason)
+    if not paths:
+        if auth != "none":
+            reason = f"needs TLS: set {', '.join(TLS_FILE_KEYS)}"
+            raise ConfigError(where, KEY_TLS_CLIENT_AUTH, auth, reason)
+        return None
+    missing = [key for key in TLS_FILE_KEYS if key not in paths]
+    if missing:
+        key = f"{alias}.{missing[0]}"
+        reason = f"TLS needs {', '.join(TLS_FILE_KEYS)} (global or per node); missing here"
+        raise ConfigError(where, key, "", reason)
+    return NodeTls(
+        cert_file=paths[KEY_TLS_CERT],
+        key_file=paths[KEY_TLS_KEY],
+        ca_file=paths[KEY_TLS_CA],
+        client_auth=auth == "require",
+    )
+
+
+def _check_tls_everywhere_or_nowhere(where: str, nodes: tuple[NodeConfig, ...]) -> None:
+    """Peers call each other's client port: a plaintext node could not reach a TLS one."""
+    plain = [node.alias for node in nodes if node.tls is None]
+    if plain and len(plain) < len(nodes):
+        key = f"{plain[0]}.{KEY_TLS_CERT}"
+        reason = "TLS is set for some nodes only: set it for all (or none)"
+        raise ConfigError(where, key, "", reason)
 
 
 def _parse_host(where: str, key: str, host: str) -> str:

@@ -35,6 +35,10 @@ ENTRY_ITEMS_MAX: Final = 4096
 # entries >= appendEntriesBatchSizeBytes; see PYSYNCOBJ-FACTS 3).
 RAFT_APPEND_BATCH_BYTES: Final = 4 * ENTRY_BYTES_MAX
 RAFT_SOCKET_BUFFER_BYTES: Final = 4 * MIB
+# The longest Raft frame a node reads (pysyncobj's append batch may pass its size by one
+# entry; plus pickling and encryption): a longer declared length drops the link before
+# its bytes are buffered, and a link holding more than two such frames unparsed is dropped.
+RAFT_FRAME_BYTES_MAX: Final = RAFT_APPEND_BATCH_BYTES + ENTRY_BYTES_MAX + MIB
 # Snapshot (checkpoint manifest) transfer chunk to a lagging follower.
 RAFT_SNAPSHOT_CHUNK_BYTES: Final = 1 * MIB
 
@@ -114,3 +118,9 @@ assert SHUTDOWN_TRANSFER_TIMEOUT_S <= TRANSFER_TIMEOUT_S_MAX
 # leader, NodeUnavailable): a client's retry round costs more than the wait.
 LEADER_WAIT_S: Final = 1.0
 assert PUBLISH_QUEUE_BYTES_MAX >= 4 * PIPELINE_IN_FLIGHT_BYTES_MAX, "a few streams fit"
+
+# Peer-only RPCs carry a signature whose time must be within this of the receiver's clock;
+# the receiver remembers each nonce for twice as long (replays are refused), at most
+# PEER_NONCES_MAX at once (more live nonces: Overloaded, retried).
+PEER_CLOCK_SKEW_S: Final = 60.0
+PEER_NONCES_MAX: Final = 65_536

@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2
 
 from hastream.errors import UnknownGroup
 from hastream.model import LOCAL_GROUP, NodeAddress
-from raftstore import identity, limits
+from raftstore import identity, limits, node_tls
 from raftstore.apply import REPAIR_DIR, Applier, ApplierSettings
 from raftstore.batcher import Batcher
 from raftstore.catalog import Catalog
@@ -39,6 +39,7 @@ from raftstore.digest import DigestChecker
 from raftstore.group import Group, GroupSettings, Member
 from raftstore.leadership import PreferredLeader, hand_over
 from raftstore.local_replica import LOCAL_ADDRESS, LocalReplica
+from raftstore.peer_auth import PeerSigner, PeerVerifier, peer_key
 from raftstore.peers import PeerClient
 from raftstore.replica import RoleSignal
 from raftstore.replication import RaftReplica, RaftSettings
@@ -78,7 +79,14 @@ class Node:
         self.config = cluster.node(alias)
         self.alias = alias
         self._groups: dict[int, Group] = {}
-        self._peers = PeerClient()
+        key = peer_key(cluster.raft_secret)
+        self.peer_verifier = PeerVerifier(key)
+        tls = self.config.tls
+        self._tls_pem = None if tls is None else node_tls.load(tls, str(cluster.path))
+        self._peers = PeerClient(
+            PeerSigner(key, alias),
+            None if self._tls_pem is None else node_tls.peer_credentials(self._tls_pem),
+        )
         self._stopping = threading.Event()
         self._server: grpc.Server | None = None
         self._lock_fds: list[int] = []
@@ -335,8 +343,17 @@ class Node:
         log.info("metrics and status page on http://%s:%d/", self.config.host, port)
 
     def _start_server(self) -> None:
+        tls = self.config.tls
+        credentials = (
+            None
+            if tls is None or self._tls_pem is None
+            else node_tls.server_credentials(self._tls_pem, client_auth=tls.client_auth)
+        )
         self._server = start_server(
-            self, f"{self.config.host}:{self.config.port}", health=self._health
+            self,
+            f"{self.config.host}:{self.config.port}",
+            health=self._health,
+            credentials=credentials,
         )
 
     def run(self) -> None:

@@ -14,6 +14,7 @@ from hastream.errors import NodeUnavailable
 from hastream.model import NodeAddress, TableDigest
 from proto import hastream_pb2, hastream_pb2_grpc
 from raftstore import limits
+from raftstore.peer_auth import PeerSigner
 from raftstore.storage.segments import DataRecord
 
 _FETCH_TIMEOUT_S = 600.0
@@ -24,7 +25,12 @@ _DIGEST_TIMEOUT_S = 60.0
 class PeerClient:
     """One cached channel per peer. Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, signer: PeerSigner, credentials: grpc.ChannelCredentials | None = None
+    ) -> None:
+        """`credentials`: TLS to the peers' client ports (None: plaintext)."""
+        self._signer = signer
+        self._credentials = credentials
         self._lock = threading.Lock()
         self._stubs: dict[NodeAddress, hastream_pb2_grpc.StreamTableStub] = {}
         self._channels: list[grpc.Channel] = []
@@ -33,12 +39,15 @@ class PeerClient:
         with self._lock:
             stub = self._stubs.get(peer)
             if stub is None:
-                channel = grpc.insecure_channel(
-                    f"{peer.host}:{peer.port}",
-                    options=[
-                        ("grpc.max_receive_message_length", limits.GRPC_MESSAGE_BYTES_MAX),
-                        ("grpc.max_send_message_length", limits.GRPC_MESSAGE_BYTES_MAX),
-                    ],
+                target = f"{peer.host}:{peer.port}"
+                options = [
+                    ("grpc.max_receive_message_length", limits.GRPC_MESSAGE_BYTES_MAX),
+                    ("grpc.max_send_message_length", limits.GRPC_MESSAGE_BYTES_MAX),
+                ]
+                channel = (
+                    grpc.insecure_channel(target, options=options)
+                    if self._credentials is None
+                    else grpc.secure_channel(target, self._credentials, options=options)
                 )
                 self._channels.append(channel)
                 stub = self._stubs[peer] = hastream_pb2_grpc.StreamTableStub(channel)
@@ -64,7 +73,9 @@ class PeerClient:
             created_lsn=created_lsn,
         )
         try:
-            for message in self._stub(peer).FetchRecords(request, timeout=_FETCH_TIMEOUT_S):
+            for message in self._stub(peer).FetchRecords(
+                request, metadata=self._signer.metadata("FetchRecords"), timeout=_FETCH_TIMEOUT_S
+            ):
                 yield DataRecord(
                     lsn=message.lsn,
                     first_offset=message.first_offset,
@@ -80,14 +91,22 @@ class PeerClient:
         TableExists (another group owns it), NotLeader, NodeUnavailable."""
         request = hastream_pb2.NameClaim(table=table, raft_group=group_id, nonce=nonce)
         try:
-            self._stub(peer).ClaimTableName(request, timeout=_CATALOG_TIMEOUT_S)
+            self._stub(peer).ClaimTableName(
+                request,
+                metadata=self._signer.metadata("ClaimTableName"),
+                timeout=_CATALOG_TIMEOUT_S,
+            )
         except grpc.RpcError as error:
             raise _typed(peer, error) from None
 
     def release_name(self, peer: NodeAddress, table: str, group_id: int, nonce: bytes) -> None:
         request = hastream_pb2.NameClaim(table=table, raft_group=group_id, nonce=nonce)
         try:
-            self._stub(peer).ReleaseTableName(request, timeout=_CATALOG_TIMEOUT_S)
+            self._stub(peer).ReleaseTableName(
+                request,
+                metadata=self._signer.metadata("ReleaseTableName"),
+                timeout=_CATALOG_TIMEOUT_S,
+            )
         except grpc.RpcError as error:
             raise _typed(peer, error) from None
 
@@ -95,7 +114,11 @@ class PeerClient:
         """The catalog as `peer` has applied it: table -> (owning group, claim nonce)."""
         request = hastream_pb2.GroupRequest(raft_group=catalog_group)
         try:
-            reply = self._stub(peer).GetTableClaims(request, timeout=_CATALOG_TIMEOUT_S)
+            reply = self._stub(peer).GetTableClaims(
+                request,
+                metadata=self._signer.metadata("GetTableClaims"),
+                timeout=_CATALOG_TIMEOUT_S,
+            )
         except grpc.RpcError as error:
             raise _typed(peer, error) from None
         return {claim.table: (claim.raft_group, claim.nonce) for claim in reply.claims}
@@ -107,7 +130,9 @@ class PeerClient:
             raft_group=group_id, table=table, offset_from=offset_from, offset_to=offset_to
         )
         try:
-            reply = self._stub(peer).GetTableDigest(request, timeout=_DIGEST_TIMEOUT_S)
+            reply = self._stub(peer).GetTableDigest(
+                request, metadata=self._signer.metadata("GetTableDigest"), timeout=_DIGEST_TIMEOUT_S
+            )
         except grpc.RpcError as error:
             raise _typed(peer, error) from None
         return TableDigest(
@@ -122,7 +147,9 @@ class PeerClient:
     def repair_table(self, peer: NodeAddress, group_id: int, table: str, reason: str) -> None:
         request = hastream_pb2.RepairTableRequest(raft_group=group_id, table=table, reason=reason)
         try:
-            self._stub(peer).RepairTable(request, timeout=_CATALOG_TIMEOUT_S)
+            self._stub(peer).RepairTable(
+                request, metadata=self._signer.metadata("RepairTable"), timeout=_CATALOG_TIMEOUT_S
+            )
         except grpc.RpcError as error:
             raise _typed(peer, error) from None
 

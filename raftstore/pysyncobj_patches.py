@@ -10,11 +10,12 @@ Process-wide (`install`):
 - `pysyncobj.pickle.__protocol` = 5 (protocol 2 copies every bytes object again);
 - `tcp_connection.zlib` = no compression (Arrow batches are compact; zlib cost ~70 ms/MiB);
 - `syncobj.createJournal` = our fsynced journal (`PysyncobjJournal` over DurableJournal);
-- `syncobj.getEncryptor` = `GmacAuthenticator` (every peer message authenticated before
-  pysyncobj unpickles it);
-- `TcpConnection.send` (drops a link whose unsent bytes pass RAFT_SEND_BUFFER_BYTES_MAX) and
+- `syncobj.getEncryptor` = `AesGcmEncryptor` (every peer message encrypted, and
+  authenticated before pysyncobj unpickles it);
+- `TcpConnection.send` (drops a link whose unsent bytes pass RAFT_SEND_BUFFER_BYTES_MAX),
   `TcpConnection.__processConnectionTimeout` (a silent link is dropped only when this node
-  has been talking on it and nothing waits to be read).
+  has been talking on it and nothing waits to be read) and `TcpConnection.__processRead`
+  (drops a link declaring a frame longer than RAFT_FRAME_BYTES_MAX before buffering it).
 Per class, in replication.py's `_SyncObj` (listed in `SYNCOBJ_METHODS` for the guard):
 `__applyLogEntries`, `__doApplyCommand`, `__onMessageReceived`, `__sendNextNodeIdx`,
 `__tryLogCompaction`.
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 # The version every patch below was written against (requirements.txt pins it).
 PYSYNCOBJ_VERSION: Final = "0.3.17"
-_AUTH_SALT: Final = b"hastream-raft-peer-auth-v1"
+_AUTH_SALT: Final = b"hastream-raft-peer-aead-v2"
 
 # Private methods of SyncObj that replication.py replaces or calls.
 SYNCOBJ_METHODS: Final = (
@@ -89,6 +90,7 @@ _MODULE_NAMES: Final = (
     (pysyncobj_tcp_connection.TcpConnection, "send"),
     (pysyncobj_tcp_connection.TcpConnection, "getSendBufferSize"),
     (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processConnectionTimeout"),
+    (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processRead"),
 )
 
 _installed = False
@@ -121,53 +123,57 @@ def check_pysyncobj(version: str | None = None) -> None:
             raise UnsupportedPysyncobj(f"{installed} has no SyncObj.{name}")
 
 
-class GmacAuthenticator:
-    """Stands in for pysyncobj's Fernet encryptor: authenticates, does not encrypt.
+class AesGcmEncryptor:
+    """Stands in for pysyncobj's Fernet encryptor: encrypts and authenticates every peer
+    message.
 
-    Token: timestamp i64 | nonce (12) | tag (16) | data, where tag = AES-GCM over an empty
-    plaintext with `timestamp | data` as associated data (GMAC), keyed from the cluster
-    secret by PBKDF2. pysyncobj calls `extract_timestamp` then `decrypt` on every message; a
-    bad tag raises and pysyncobj drops the connection before anything is unpickled. GMAC runs
-    at several GB/s with AES-NI, 15x HMAC-SHA256 here, which matters for multi-MiB batches
-    sent to every follower. Nonces are a random per-process prefix and a counter, so they
-    never repeat within a process and collide across processes with odds of 2^-32 per pair.
+    Token: timestamp i64 | nonce (12) | ciphertext | tag (16): AES-GCM of the message with
+    the timestamp as associated data, keyed from the cluster secret by PBKDF2. pysyncobj
+    calls `extract_timestamp` then `decrypt` on every message; a bad tag raises and pysyncobj
+    drops the connection before anything is unpickled. AES-GCM runs at GB/s with AES-NI (the
+    multi-MiB batches sent to every follower), far above Fernet's AES-CBC + HMAC. Nonces
+    are a random per-process prefix and a counter, so they never repeat within a process and
+    collide across processes with odds of 2^-32 per pair. Replays within a connection are
+    refused by pysyncobj (timestamps must not go back, and every message carries the
+    connection's random key).
     """
 
     _TIMESTAMP: Final = struct.Struct("<q")
     _NONCE_BYTES: Final = 12
     _TAG_BYTES: Final = 16
+    _HEAD: Final = _TIMESTAMP.size + _NONCE_BYTES
 
     def __init__(self, secret: str) -> None:
         key = hashlib.pbkdf2_hmac("sha256", secret.encode(), _AUTH_SALT, 100_000, dklen=16)
         self._aead = AESGCM(key)
         self._nonce_prefix = os.urandom(4)
         self._counter = itertools.count()
-        self._verified: bytes | None = None
+        self._opened: tuple[bytes, bytes] | None = None  # (token, plaintext)
 
     def encrypt_at_time(self, data: bytes, current_time: int) -> bytes:
         timestamp = self._TIMESTAMP.pack(current_time)
         nonce = self._nonce_prefix + next(self._counter).to_bytes(8, "little")
-        tag = self._aead.encrypt(nonce, b"", b"".join((timestamp, data)))
-        return b"".join((timestamp, nonce, tag, data))
+        return b"".join((timestamp, nonce, self._aead.encrypt(nonce, data, timestamp)))
 
     def extract_timestamp(self, token: bytes) -> int:
-        head = self._TIMESTAMP.size + self._NONCE_BYTES + self._TAG_BYTES
-        if len(token) < head:
+        if len(token) < self._HEAD + self._TAG_BYTES:
             raise ValueError("token too short")
         timestamp = token[: self._TIMESTAMP.size]
-        nonce = token[self._TIMESTAMP.size : self._TIMESTAMP.size + self._NONCE_BYTES]
-        tag = token[self._TIMESTAMP.size + self._NONCE_BYTES : head]
+        nonce = token[self._TIMESTAMP.size : self._HEAD]
         # Raises cryptography's InvalidTag on a forged or damaged message.
-        self._aead.decrypt(nonce, tag, b"".join((timestamp, memoryview(token)[head:])))
-        self._verified = token
+        plaintext = self._aead.decrypt(nonce, memoryview(token)[self._HEAD :], timestamp)
+        self._opened = (token, plaintext)
         (value,) = self._TIMESTAMP.unpack(timestamp)
         return int(value)
 
     def decrypt(self, token: bytes) -> bytes:
-        if token is not self._verified:
+        # pysyncobj asks for the timestamp first: decrypt once, hand the plaintext over.
+        if self._opened is None or self._opened[0] is not token:
             self.extract_timestamp(token)
-        self._verified = None
-        return token[self._TIMESTAMP.size + self._NONCE_BYTES + self._TAG_BYTES :]
+        assert self._opened is not None
+        plaintext = self._opened[1]
+        self._opened = None
+        return plaintext
 
 
 class _NoCompression:
@@ -251,11 +257,12 @@ def install() -> None:
     setattr(pysyncobj_pickle, "__protocol", 5)
     pysyncobj_tcp_connection.zlib = _NoCompression
     pysyncobj_syncobj.createJournal = _create_journal
-    pysyncobj_syncobj.getEncryptor = GmacAuthenticator
+    pysyncobj_syncobj.getEncryptor = AesGcmEncryptor
     pysyncobj_syncobj.HAS_CRYPTO = True
     connection = pysyncobj_tcp_connection.TcpConnection
     connection.send = _connection_send
     connection._TcpConnection__processConnectionTimeout = _connection_timeout
+    connection._TcpConnection__processRead = _connection_read
 
 
 _original_connection_send = pysyncobj_tcp_connection.TcpConnection.send
@@ -268,6 +275,43 @@ def _connection_send(self: Any, message: Any) -> None:
     if unsent > limits.RAFT_SEND_BUFFER_BYTES_MAX:
         log.warning("dropping raft link: %d unsent bytes, the peer is not reading", unsent)
         self.disconnect()
+
+
+_original_connection_read = pysyncobj_tcp_connection.TcpConnection._TcpConnection__processRead
+_FRAME_LENGTH: Final = struct.Struct("i")  # pysyncobj's frame header
+
+
+def _connection_read(self: Any) -> bool:
+    # Wraps TcpConnection.__processRead, which appends what one recv() returned to the read
+    # buffer; pysyncobj reads until the socket is drained before it parses (and authenticates)
+    # anything, and it trusts the 4-byte frame length. A sender without the key could make a
+    # node buffer without bound: a declared length past RAFT_FRAME_BYTES_MAX, or more than
+    # two frames' worth unparsed, drops the link.
+    more = bool(_original_connection_read(self))
+    buffer = self._TcpConnection__readBuffer
+    if len(buffer) >= _FRAME_LENGTH.size:
+        (length,) = _FRAME_LENGTH.unpack_from(buffer, 0)
+        if not 0 <= length <= limits.RAFT_FRAME_BYTES_MAX:
+            _log_refused_frame(f"declared frame length {length}")
+            self.disconnect()
+            return False
+        if len(buffer) > 2 * (limits.RAFT_FRAME_BYTES_MAX + _FRAME_LENGTH.size):
+            _log_refused_frame(f"{len(buffer)} bytes unparsed")
+            self.disconnect()
+            return False
+    return more
+
+
+_refusals_logged_at = 0.0
+
+
+def _log_refused_frame(what: str) -> None:
+    """At most one line a second: a flood of bad frames must not flood the log."""
+    global _refusals_logged_at
+    now = pysyncobj_tcp_connection.monotonicTime()
+    if now - _refusals_logged_at >= 1.0:
+        _refusals_logged_at = now
+        log.warning("dropping raft link: %s (limit %d)", what, limits.RAFT_FRAME_BYTES_MAX)
 
 
 def _connection_timeout(self: Any) -> None:

@@ -31,11 +31,12 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
    that stopped answering, e.g. SIGSTOPped), and a link whose unsent bytes pass
    `RAFT_SEND_BUFFER_BYTES_MAX` is dropped at once:
    pysyncobj's send buffer is otherwise unbounded while a peer does not read.
-6. Peer authentication. pysyncobj unpickles whatever arrives on its port, so the port is
-   bound to the configured address and every message must carry an AES-GMAC tag keyed with
-   the cluster secret (`pysyncobj_patches.GmacAuthenticator`, replacing Fernet:
-   authentication is what stops remote code execution, and GMAC costs a fraction of
-   AES-CBC+base64 on multi-MiB batches).
+6. Peer encryption. pysyncobj unpickles whatever arrives on its port, so the port is
+   bound to the configured address and every message is AES-GCM encrypted and
+   authenticated with a key from the cluster secret (`pysyncobj_patches.AesGcmEncryptor`,
+   replacing Fernet: the tag is what stops remote code execution, and AES-GCM costs a
+   fraction of Fernet's AES-CBC + HMAC + base64 on multi-MiB batches). A frame longer than
+   `RAFT_FRAME_BYTES_MAX` drops the link before its bytes are buffered.
 
 The process-wide patches (journal, encryptor, pickle protocol, compression, link timeouts)
 live in pysyncobj_patches.py with a guard on the pysyncobj version; the per-class ones are

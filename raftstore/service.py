@@ -38,6 +38,7 @@ from raftstore.catalog import Catalog
 from raftstore.config import ClusterConfig
 from raftstore.digest import table_digest
 from raftstore.group import Group
+from raftstore.peer_auth import PeerVerifier
 from raftstore.pipeline import PublishStream, StreamedPublish
 from raftstore.state_machine import ItemResult, TableView
 from raftstore.subscriptions import follow, resolve_start
@@ -54,6 +55,7 @@ class NodeView(Protocol):
     alias: str
     catalog: Catalog
     cluster: ClusterConfig
+    peer_verifier: PeerVerifier
 
     def groups(self) -> list[Group]: ...
 
@@ -94,6 +96,18 @@ def streaming(method: Callable[..., Iterator[Response]]) -> Callable[..., Iterat
             yield from method(self, request, context)
         except RaftStoreError as error:
             _abort(context, error)
+
+    return wrapper
+
+
+def peer_only(method: Callable[..., Response]) -> Callable[..., Response]:
+    """Refuse the call (Unauthenticated) unless a cluster node signed it (peer_auth.py).
+    Goes under `unary`/`streaming`, which turn the refusal into the typed status."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Response:
+        self._node.peer_verifier.verify(method.__name__, context.invocation_metadata())
+        return method(self, request, context)
 
     return wrapper
 
@@ -317,6 +331,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
                 position = slices[-1].first_offset + slices[-1].batch.num_rows
 
     @streaming
+    @peer_only
     def FetchRecords(
         self, request: pb.FetchRecordsRequest, context: Any
     ) -> Iterator[pb.DataRecord]:
@@ -419,16 +434,19 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     # --- peers: the catalog of table names ---
 
     @unary
+    @peer_only
     def ClaimTableName(self, request: pb.NameClaim, context: Any) -> pb.Empty:
         self._node.catalog.serve_claim(request.table, request.raft_group, request.nonce)
         return pb.Empty()
 
     @unary
+    @peer_only
     def ReleaseTableName(self, request: pb.NameClaim, context: Any) -> pb.Empty:
         self._node.catalog.serve_release(request.table, request.raft_group, request.nonce)
         return pb.Empty()
 
     @unary
+    @peer_only
     def GetTableClaims(self, request: pb.GroupRequest, context: Any) -> pb.NameClaims:
         claims = self._node.catalog.serve_claims()
         return pb.NameClaims(
@@ -441,6 +459,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     # --- peers: replicas compare themselves ---
 
     @unary
+    @peer_only
     def GetTableDigest(self, request: pb.TableDigestRequest, context: Any) -> pb.TableDigest:
         group = self._node.group(request.raft_group)
         store = group.store(request.table)  # refused while this replica is in doubt
@@ -456,6 +475,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         )
 
     @unary
+    @peer_only
     def RepairTable(self, request: pb.RepairTableRequest, context: Any) -> pb.Empty:
         group = self._node.group(request.raft_group)
         view = group.table_view(request.table)
@@ -482,10 +502,16 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 GRPC_WORKERS: Final = 64
 
 
-def start_server(node: NodeView, address: str, *, health: Any = None) -> grpc.Server:
+def start_server(
+    node: NodeView,
+    address: str,
+    *,
+    health: Any = None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> grpc.Server:
     """Serve the StreamTable service of `node` on `address` ("host:port"), and `health`
-    (a grpc.health.v1 HealthServicer) beside it when given. Raises OSError when the port
-    cannot be bound."""
+    (a grpc.health.v1 HealthServicer) beside it when given; over TLS with `credentials`.
+    Raises OSError when the port cannot be bound."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="grpc"),
         options=[
@@ -504,7 +530,12 @@ def start_server(node: NodeView, address: str, *, health: Any = None) -> grpc.Se
     hastream_pb2_grpc.add_StreamTableServicer_to_server(StreamTableService(node), server)
     if health is not None:
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    if server.add_insecure_port(address) == 0:
+    bound = (
+        server.add_insecure_port(address)
+        if credentials is None
+        else server.add_secure_port(address, credentials)
+    )
+    if bound == 0:
         raise OSError(f"cannot bind gRPC port {address}")
     server.start()
     return server

@@ -4,7 +4,7 @@ Spark pickles data sources, readers, writers and partitions and runs them in oth
 processes (the planner, the streaming source runner, the executors' Python workers). A gRPC
 channel cannot be pickled and must not cross a fork, so nothing here is ever stored on
 those objects: `session()` is called inside `read()`/`write()`/`commit()` and returns the
-process's cached `api_clients.Session`, keyed by `(pid, sites, timeout)`. Python worker
+process's cached `api_clients.Session`, keyed by `(pid, sites, timeout, tls)`. Python worker
 reuse (Spark's default) makes the cache pay off: a worker keeps its channels across tasks.
 """
 
@@ -19,19 +19,20 @@ from typing import Final
 from api_clients import Session
 from api_clients.connection import ATTEMPT_TIMEOUT_S_DEFAULT
 from hastream import wire
+from hastream.tls import ClientTls
 
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_sessions: dict[tuple[int, tuple[str, ...], float], Session] = {}
+_sessions: dict[tuple[int, tuple[str, ...], float, ClientTls | None], Session] = {}
 # Sessions are cheap (no I/O until used) but hold channels: bound them per process.
 SESSIONS_MAX: Final = 64
 
 
-def session(sites: tuple[str, ...], timeout_s: float) -> Session:
-    """The calling process's session over `sites`; a whole call with its retries is bounded
-    by `timeout_s`. Thread-safe."""
-    key = (os.getpid(), sites, timeout_s)
+def session(sites: tuple[str, ...], timeout_s: float, tls: ClientTls | None = None) -> Session:
+    """The calling process's session over `sites` (over TLS with `tls`); a whole call with
+    its retries is bounded by `timeout_s`. Thread-safe."""
+    key = (os.getpid(), sites, timeout_s, tls)
     with _lock:
         cached = _sessions.get(key)
         if cached is not None:
@@ -42,6 +43,7 @@ def session(sites: tuple[str, ...], timeout_s: float) -> Session:
             list(sites),
             timeout_s=min(ATTEMPT_TIMEOUT_S_DEFAULT, timeout_s),
             deadline_s=timeout_s,
+            tls=tls,
         )
         _sessions[key] = created
         log.debug("new session pid=%d sites=%s", key[0], ",".join(sites))

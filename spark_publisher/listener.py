@@ -49,10 +49,22 @@ class HAStreamOffsetListener(StreamingQueryListener):
         query_name: str,
         source_index: int | None = None,
         timeout_s: float = PLANNING_TIMEOUT_S,
+        **tls_options: str,
     ) -> None:
+        """`tls_options`: the source's TLS options (`tls`, `caFile`, `certFile`,
+        `keyFile`), so the offsets are stored over the same kind of connection."""
         super().__init__()
+        unknown = sorted(set(tls_options) - {"tls", "caFile", "certFile", "keyFile"})
+        if unknown:
+            raise TypeError(f"unexpected keyword arguments: {', '.join(unknown)}")
         self._options = parse(
-            {"sites": sites, "table": table, "action": action, "timeoutSec": str(timeout_s)}
+            {
+                "sites": sites,
+                "table": table,
+                "action": action,
+                "timeoutSec": str(timeout_s),
+                **tls_options,
+            }
         )
         self._query_name = query_name
         self._source_index = source_index

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from hastream import wire
+from hastream.errors import InvalidArgument
+from hastream.tls import ClientTls
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,10 @@ KNOWN_OPTIONS: Final = (
     "numPartitions",
     "timeoutSec",
     "idempotencyToken",
+    "tls",
+    "caFile",
+    "certFile",
+    "keyFile",
 )
 # Options Spark itself puts into a source's or sink's option map.
 _SPARK_OPTIONS: Final = frozenset({"path", "checkpointlocation", "queryname"})
@@ -88,6 +94,7 @@ class HAStreamOptions:
     num_partitions: int
     timeout_s: float
     idempotency_token: str | None  # Batch writes: a stable job id, so a re-run is deduplicated.
+    tls: ClientTls | None = None  # tls=true, or any of caFile/certFile/keyFile
 
     @property
     def topic(self) -> str:
@@ -120,7 +127,25 @@ def parse(options: Mapping[str, str]) -> HAStreamOptions:
         ),
         timeout_s=_timeout(values.get("timeoutsec")),
         idempotency_token=_token(values.get("idempotencytoken")),
+        tls=_tls(values),
     )
+
+
+def _tls(values: Mapping[str, str]) -> ClientTls | None:
+    """TLS settings: `tls=true` (system roots) or any of the files. The files are read here,
+    on the driver, so a wrong path fails before any task."""
+    flag = values.get("tls", "false").lower()
+    if flag not in ("true", "false"):
+        raise OptionError("tls", values.get("tls"), "expected true or false")
+    files = {name: values.get(name.lower()) for name in ("caFile", "certFile", "keyFile")}
+    if flag == "false" and not any(files.values()):
+        return None
+    try:
+        tls = ClientTls(files["caFile"], files["certFile"], files["keyFile"])
+        tls.read()
+    except InvalidArgument as error:
+        raise OptionError(error.argument, None, error.detail) from None
+    return tls
 
 
 def _check_unknown(values: Mapping[str, str]) -> None:

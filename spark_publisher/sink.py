@@ -100,7 +100,7 @@ class _TaskPublisher:
         self._partition = partition
         # Learns the group's leader too, so publishes go straight to it.
         self._table_schema = table_info(options, fresh=True).schema
-        self._client = clients.session(options.sites, options.timeout_s)
+        self._client = clients.session(options.sites, options.timeout_s, options.tls)
         self._publisher = self._new_publisher(first_sequence=1)
         self.rows = self.appended = self.duplicates = self.replayed = 0
         self.first_offset = self.last_offset = -1

@@ -196,7 +196,7 @@ NODE_LAYERS: dict[str, int] = {
         ("storage/files", "storage/checkpoint", "storage/journal", "storage/segments"), 2
     ),
     **dict.fromkeys(("tables", "replica", "retention", "batcher", "peers", "catch_up"), 3),
-    **dict.fromkeys(("pysyncobj_patches",), 3),
+    **dict.fromkeys(("pysyncobj_patches", "peer_auth", "node_tls"), 3),
     **dict.fromkeys(("apply", "identity", "local_replica", "replication", "group"), 4),
     **dict.fromkeys(("subscriptions", "pipeline", "routing", "catalog", "scrub", "digest"), 5),
     **dict.fromkeys(("leadership", "metrics", "status_page"), 5),

@@ -419,6 +419,40 @@ def test_garbage_on_client_and_raft_ports_changes_nothing(
         )
 
 
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_an_oversized_raft_frame_is_dropped_before_it_is_buffered(cluster: LocalCluster) -> None:
+    """Before any authentication, a sender declaring a 2 GiB frame and streaming zeros is cut
+    off (the node would otherwise buffer all of it, and copy the buffer on every read)."""
+    create(cluster, "frames")
+    config = cluster.config_path.read_text()
+    raft_port = int(config.split("node1.raftPorts=")[1].split(",")[0].split(":")[1])
+    process = cluster.nodes["node1"].process
+    assert process is not None
+    rss_before = _rss_bytes(process.pid)
+    chunk = bytes(1 << 20)
+    sent = 0
+    refused: OSError | None = None
+    with socket.create_connection(("127.0.0.1", raft_port), timeout=10) as sock:
+        sock.sendall(struct.pack("<i", 2**31 - 1))
+        try:
+            while sent < 512 * limits.MIB:
+                sock.sendall(chunk)
+                sent += len(chunk)
+        except OSError as error:  # reset or broken pipe: the node closed the link
+            refused = error
+    assert refused is not None, "the node read 512 MiB of one frame"
+    assert sent < 64 * limits.MIB, f"the node read {sent} bytes of an oversized frame"
+    assert _rss_bytes(process.pid) - rss_before < 64 * limits.MIB
+    assert set(cluster.alive()) == set(cluster.nodes)
+    assert publish(cluster, "frames", rows("frames", 0, 5)).first_offset == 0
+
+
 def test_a_table_past_the_node_limit_is_refused_before_anything_is_proposed(
     tmp_path: Path,
 ) -> None:

@@ -1,17 +1,17 @@
-"""The Raft peer authenticator that replaces pysyncobj's Fernet encryptor."""
+"""The Raft peer encryptor that replaces pysyncobj's Fernet encryptor."""
 
 from __future__ import annotations
 
 import pytest
 from cryptography.exceptions import InvalidTag
 
-from raftstore.pysyncobj_patches import GmacAuthenticator as _GmacAuthenticator
+from raftstore.pysyncobj_patches import AesGcmEncryptor
 
 pytestmark = pytest.mark.unit
 
 
 def test_round_trip_between_two_nodes_sharing_the_secret() -> None:
-    sender, receiver = _GmacAuthenticator("secret"), _GmacAuthenticator("secret")
+    sender, receiver = AesGcmEncryptor("secret"), AesGcmEncryptor("secret")
     token = sender.encrypt_at_time(b"payload" * 1000, 1234)
     assert receiver.extract_timestamp(token) == 1234
     assert receiver.decrypt(token) == b"payload" * 1000
@@ -19,7 +19,7 @@ def test_round_trip_between_two_nodes_sharing_the_secret() -> None:
 
 @pytest.mark.parametrize("position", [0, 7, 8, 19, 20, 35, 36, 100, -1])
 def test_any_flipped_byte_is_rejected(position: int) -> None:
-    sender, receiver = _GmacAuthenticator("secret"), _GmacAuthenticator("secret")
+    sender, receiver = AesGcmEncryptor("secret"), AesGcmEncryptor("secret")
     token = bytearray(sender.encrypt_at_time(b"x" * 200, 99))
     token[position] ^= 0x01
     with pytest.raises(InvalidTag):
@@ -27,14 +27,21 @@ def test_any_flipped_byte_is_rejected(position: int) -> None:
 
 
 def test_other_secret_and_short_tokens_are_rejected() -> None:
-    token = _GmacAuthenticator("one").encrypt_at_time(b"data", 1)
+    token = AesGcmEncryptor("one").encrypt_at_time(b"data", 1)
     with pytest.raises(InvalidTag):
-        _GmacAuthenticator("two").extract_timestamp(token)
+        AesGcmEncryptor("two").extract_timestamp(token)
     with pytest.raises(ValueError, match="too short"):
-        _GmacAuthenticator("one").extract_timestamp(b"short")
+        AesGcmEncryptor("one").extract_timestamp(b"short")
 
 
 def test_nonces_never_repeat_within_a_process() -> None:
-    sender = _GmacAuthenticator("secret")
+    sender = AesGcmEncryptor("secret")
     nonces = {sender.encrypt_at_time(b"", 0)[8:20] for _ in range(1000)}
     assert len(nonces) == 1000
+
+
+def test_the_payload_does_not_travel_in_the_clear() -> None:
+    secret_rows = b"account=4711;balance=1000000;" * 100
+    token = AesGcmEncryptor("secret").encrypt_at_time(secret_rows, 5)
+    assert b"account=4711" not in token
+    assert len(token) == len(secret_rows) + 8 + 12 + 16

@@ -114,7 +114,7 @@ def test_leader_kill_on_an_idle_cluster_takes_one_election(tmp_path: Path) -> No
             term = cluster.group_status(leader, 2)["term"]
             # Let the follower-follower link idle past connectionTimeout (2 x 0.5 s).
             idle_since = time.monotonic()
-            wait_until(lambda: time.monotonic() - idle_since > 2.5, timeout_s=10)
+            wait_until(lambda since=idle_since: time.monotonic() - since > 2.5, timeout_s=10)
             cluster.kill(leader)
             new_leader = cluster.leader(timeout_s=30)
             assert new_leader != leader

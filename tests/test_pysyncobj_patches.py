@@ -51,11 +51,12 @@ def test_install_replaces_the_module_globals() -> None:
     assert getattr(pysyncobj_pickle, "__protocol") == 5
     assert pysyncobj_tcp_connection.zlib is pysyncobj_patches._NoCompression
     assert pysyncobj_syncobj.createJournal is pysyncobj_patches._create_journal
-    assert pysyncobj_syncobj.getEncryptor is pysyncobj_patches.GmacAuthenticator
+    assert pysyncobj_syncobj.getEncryptor is pysyncobj_patches.AesGcmEncryptor
     connection = pysyncobj_tcp_connection.TcpConnection
     assert connection.send is pysyncobj_patches._connection_send
     timeout = connection._TcpConnection__processConnectionTimeout
     assert timeout is pysyncobj_patches._connection_timeout
+    assert connection._TcpConnection__processRead is pysyncobj_patches._connection_read
     pysyncobj_patches.install()  # idempotent
 
 

@@ -1,0 +1,209 @@
+"""TLS on the client port: the config keys, and a real cluster with mutual TLS (its nodes
+calling each other over TLS for a repair) that refuses plaintext, untrusted and
+certificate-less clients with an error that says why."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from api_clients import connect
+from api_clients.connection import Session
+from api_clients.publisher import Publisher
+from api_clients.transport import TransportError
+from deploy.dev_tls import DevCA
+from hastream.errors import ConfigError, InvalidArgument
+from hastream.tls import ClientTls
+from raftstore import config
+from tests.harness import AckedPublisher, LocalCluster, assert_replicas_hold_exactly, wait_until
+from tests.ops_helpers import run_cli, run_cli_raw
+
+SCHEMA = pa.schema([("id", pa.int64()), ("ts", pa.timestamp("ms")), ("sym", pa.string())])
+
+BASE = """streamingHAMode=raft
+streamingRaftGroups=2:node1:node2:node3
+streamingRaftSecret=s
+persistenceDir=data/<ALIAS>/persistence
+streamingHADir=data/<ALIAS>/raftlog
+node1.host=127.0.0.1
+node1.port=8901
+node1.raftPorts=2:9201
+node2.host=127.0.0.1
+node2.port=8902
+node2.raftPorts=2:9202
+node3.host=127.0.0.1
+node3.port=8903
+node3.raftPorts=2:9203
+"""
+
+
+@pytest.mark.unit
+def test_tls_keys_are_global_or_per_node_and_render_back(tmp_path: Path) -> None:
+    text = BASE + (
+        "tlsCertFile=tls/<ALIAS>.pem\ntlsKeyFile=tls/<ALIAS>.key\ntlsCAFile=tls/ca.pem\n"
+        "node3.tlsCertFile=/etc/other/node3.pem\ntlsClientAuth=require\n"
+    )
+    cluster = config.parse(text, tmp_path / "cluster.cfg")
+    node1, node3 = cluster.node("node1").tls, cluster.node("node3").tls
+    assert node1 is not None
+    assert node3 is not None
+    assert node1.cert_file == tmp_path / "tls" / "node1.pem"
+    assert node1.ca_file == tmp_path / "tls" / "ca.pem"
+    assert node3.cert_file == Path("/etc/other/node3.pem")
+    assert node1.client_auth
+    assert config.parse(config.render(cluster), tmp_path / "cluster.cfg") == cluster
+    assert config.parse(BASE, tmp_path / "c.cfg").node("node1").tls is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("extra", "key", "reason"),
+    [
+        ("tlsCertFile=a.pem\ntlsKeyFile=a.key\n", "node1.tlsCAFile", "missing"),
+        (
+            "node1.tlsCertFile=a\nnode1.tlsKeyFile=b\nnode1.tlsCAFile=c\n",
+            "node2.tlsCertFile",
+            "some nodes only",
+        ),
+        ("tlsClientAuth=require\n", "tlsClientAuth", "needs TLS"),
+        (
+            "tlsCertFile=a\ntlsKeyFile=b\ntlsCAFile=c\ntlsClientAuth=optional\n",
+            "tlsClientAuth",
+            "none or require",
+        ),
+    ],
+)
+def test_incomplete_tls_settings_are_refused(
+    tmp_path: Path, extra: str, key: str, reason: str
+) -> None:
+    with pytest.raises(ConfigError, match=reason) as raised:
+        config.parse(BASE + extra, tmp_path / "cluster.cfg")
+    assert raised.value.key == key
+
+
+@pytest.mark.unit
+def test_client_tls_files_are_checked_when_the_session_is_made(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="caFile"):
+        connect("127.0.0.1", 1, caFile=str(tmp_path / "missing.pem"))
+    (tmp_path / "not.pem").write_text("hello")
+    with pytest.raises(InvalidArgument, match="no PEM block"):
+        connect("127.0.0.1", 1, caFile=str(tmp_path / "not.pem"))
+    with pytest.raises(InvalidArgument, match="both"):
+        ClientTls(cert_file="a.pem")
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(tmp_path_factory.mktemp("tls") / "cluster", purge_interval_s=1.0)
+    cluster.enable_tls(client_auth=True)
+    yield cluster.start()
+    cluster.stop()
+
+
+def _session(cluster: LocalCluster, tls: ClientTls | None) -> Session:
+    sites = [node.site for node in cluster.nodes.values()]
+    return Session(sites, tls=tls, deadline_s=3.0, hedge_delay_s=None)
+
+
+@pytest.mark.cluster
+def test_a_client_with_the_cluster_certificate_publishes_and_reads(
+    tls_cluster: LocalCluster,
+) -> None:
+    ca = DevCA(tls_cluster.root / "tls")
+    app = ca.client("app")
+    with Session([node.site for node in tls_cluster.nodes.values()], tls=app) as session:
+        session.haStreamTable(2, SCHEMA, "tls_rows", 10_000)
+        rows = pa.table(
+            {"id": range(100), "ts": pa.array([0] * 100, pa.timestamp("ms")), "sym": ["a"] * 100}
+        )
+        publisher = Publisher(session, "tls_rows")
+        assert publisher.append(rows).first_offset == 0
+        assert session.read("tls_rows", 0).num_rows == 100
+    # The same through DolphinDB-style connect(), with the files as keyword arguments.
+    first = tls_cluster.nodes["node1"]
+    with connect(
+        first.host,
+        first.port,
+        highAvailabilitySites=[node.site for node in tls_cluster.nodes.values()],
+        caFile=app.ca_file,
+        certFile=app.cert_file,
+        keyFile=app.key_file,
+    ) as session:
+        assert session.read("tls_rows", 0).num_rows == 100
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("client", ["plaintext", "no-client-cert", "foreign-cert", "foreign-ca"])
+def test_wrong_clients_are_refused_with_the_cause(
+    tls_cluster: LocalCluster, tmp_path: Path, client: str
+) -> None:
+    ca = DevCA(tls_cluster.root / "tls")
+    foreign = DevCA.create(tmp_path / "foreign")
+    tls = {
+        "plaintext": None,
+        "no-client-cert": ClientTls(ca_file=str(ca.ca_file)),
+        "foreign-cert": ClientTls(
+            ca_file=str(ca.ca_file),
+            cert_file=str(foreign.issue("intruder").cert_file),
+            key_file=str(foreign.issue("intruder").key_file),
+        ),
+        "foreign-ca": foreign.client("intruder"),
+    }[client]
+    with _session(tls_cluster, tls) as session, pytest.raises(TransportError) as raised:
+        session.getStreamingRaftGroups()
+    assert "TLS" in str(raised.value) or "tls" in str(raised.value), str(raised.value)
+
+
+@pytest.mark.cluster
+def test_a_damaged_replica_repairs_from_its_peers_over_mutual_tls(
+    tls_cluster: LocalCluster,
+) -> None:
+    """FetchRecords, a node calling its peer's client port, runs over the same TLS."""
+    cluster = tls_cluster
+    cluster.create_table("repaired", SCHEMA)
+    publisher = AckedPublisher(cluster, "repaired", SCHEMA)
+    for first_key in range(0, 2000, 500):
+        publisher.publish(first_key, 500)
+    leader = cluster.leader()
+    follower = next(alias for alias in cluster.alive() if alias != leader)
+    wait_until(
+        lambda: cluster.row_count(follower, "repaired") == 2000, timeout_s=60, message="rows"
+    )
+    # A checkpoint after the rows: the restart cannot replay them from the log, it must
+    # fetch them from a peer.
+    checkpoints = cluster.group_status(follower, 2)["checkpoints_written"]
+    wait_until(
+        lambda: cluster.group_status(follower, 2)["checkpoints_written"] > checkpoints,
+        timeout_s=60,
+        message="follower checkpointed the rows",
+    )
+    cluster.kill(follower)
+    (table_dir,) = (cluster.root / follower / "persistence" / "group-2").glob("repaired.*")
+    segment = sorted(table_dir.glob("seg-*.dat"))[0]
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    cluster.start_node(follower)
+
+    def repaired() -> bool:
+        status = cluster.group_status(follower, 2)
+        return status["corruptions_repaired"] >= 1 and status["health"]["state"] == "healthy"
+
+    wait_until(repaired, timeout_s=60, message="damaged follower repaired over TLS")
+    assert "repair fetched" in cluster.log_tail(follower, lines=400)
+    assert_replicas_hold_exactly(cluster, "repaired", publisher.acked)
+
+
+@pytest.mark.cluster
+def test_the_hastream_command_takes_the_tls_options(tls_cluster: LocalCluster) -> None:
+    app = DevCA(tls_cluster.root / "tls").client("operator")
+    sites = ",".join(node.site for node in tls_cluster.nodes.values())
+    files = ("--ca-file", str(app.ca_file), "--cert-file", str(app.cert_file))
+    groups = run_cli("groups", "--sites", sites, *files, "--key-file", str(app.key_file))
+    assert [group["id"] for group in groups] == [2]
+    refused = run_cli_raw("groups", "--sites", sites, "--timeout", "3", "--json")
+    assert refused.returncode == 1
+    assert "TLS" in refused.stdout, refused.stdout
