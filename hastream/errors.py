@@ -362,6 +362,24 @@ class TooManyTables(RaftStoreError):
         return {"table": self.table, "tables": self.tables, "tables_max": self.tables_max}
 
 
+class TooManyTopics(RaftStoreError):
+    """A first offset commit of `topic` would pass the group's limit of persisted topics
+    (remove unused ones with removeTopicOffset). Nothing was proposed."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, topic: str, topics_max: int) -> None:
+        self.topic = topic
+        self.topics_max = topics_max
+        super().__init__(
+            f"cannot persist the offset of topic {topic!r}: the group holds {topics_max} "
+            "topics, the limit; remove unused ones (removeTopicOffset)"
+        )
+
+    def fields(self) -> dict[str, Any]:
+        return {"topic": self.topic, "topics_max": self.topics_max}
+
+
 class CheckpointDeferred(RaftStoreError):
     """A checkpoint was asked for while the applied state is not whole (a repair runs or an
     entry waits on an environment error); the Raft log is kept until a later one."""
@@ -432,6 +450,7 @@ _BY_NAME: Final[dict[str, type[RaftStoreError]]] = {
         CorruptionError,
         ReplicaInDoubt,
         TooManyTables,
+        TooManyTopics,
         CheckpointDeferred,
         PeerProtocolError,
         IncarnationDropped,

@@ -866,6 +866,10 @@ class Applier:
         with self._lock:
             return self._machine.topics()
 
+    def topic_count(self) -> int:
+        with self._lock:
+            return self._machine.topic_count()
+
     def key_window_rows(self) -> dict[str, int]:
         """Rows each keyed table's dedup window holds (any thread)."""
         with self._lock:

@@ -30,6 +30,7 @@ from hastream.errors import (
     RaftStoreError,
     ReplicaInDoubt,
     TableSubscribed,
+    TooManyTopics,
 )
 from hastream.model import NodeAddress
 from raftstore import commands, limits
@@ -258,7 +259,16 @@ class Group:
         return self._replica.latencies()
 
     def commit_offset(self, topic: str, offset: int) -> int:
+        """Raises TooManyTopics (nothing proposed) for a new topic past the group's limit.
+        Checked on the leader, not in the state machine: entries already in logs replay
+        as they applied. Concurrent first commits of new topics may pass it by the few
+        proposals in flight."""
         self.require_leader()
+        if (
+            self.applier.topic_offset(topic) is None
+            and self.applier.topic_count() >= limits.TOPICS_PER_GROUP_MAX
+        ):
+            raise TooManyTopics(topic, limits.TOPICS_PER_GROUP_MAX)
         self.propose_command(commands.CommitOffset(topic=topic, offset=offset))
         return offset
 

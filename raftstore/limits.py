@@ -124,3 +124,13 @@ assert PUBLISH_QUEUE_BYTES_MAX >= 4 * PIPELINE_IN_FLIGHT_BYTES_MAX, "a few strea
 # PEER_NONCES_MAX at once (more live nonces: Overloaded, retried).
 PEER_CLOCK_SKEW_S: Final = 60.0
 PEER_NONCES_MAX: Final = 65_536
+
+# Long-lived streams (subscriptions, reads, publish streams, repair fetches) per node and
+# per client connection (admission.py); the gRPC workers beyond STREAMS_MAX serve unary
+# calls only, so held streams never starve publishes.
+STREAMS_MAX: Final = 256
+# Persisted consumer offsets (topics) per group: each lives in every checkpoint.
+TOPICS_PER_GROUP_MAX: Final = 10_000
+STREAMS_PER_CONNECTION_MAX: Final = 100
+UNARY_WORKERS: Final = 60
+assert STREAMS_PER_CONNECTION_MAX <= STREAMS_MAX

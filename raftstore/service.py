@@ -34,6 +34,7 @@ from hastream.model import LOCAL_GROUP, topic_name
 from proto import hastream_pb2 as pb
 from proto import hastream_pb2_grpc
 from raftstore import commands, limits, routing
+from raftstore.admission import StreamSlots
 from raftstore.catalog import Catalog
 from raftstore.config import ClusterConfig
 from raftstore.digest import table_digest
@@ -90,10 +91,14 @@ def unary(method: Callable[..., Response]) -> Callable[..., Response]:
 
 
 def streaming(method: Callable[..., Iterator[Response]]) -> Callable[..., Iterator[Response]]:
+    """A server-streaming or bidirectional method: it holds a stream slot (admission.py)
+    while it runs, and its typed errors become statuses."""
+
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Response]:
         try:
-            yield from method(self, request, context)
+            with self._streams.hold(context.peer()):
+                yield from method(self, request, context)
         except RaftStoreError as error:
             _abort(context, error)
 
@@ -110,6 +115,18 @@ def peer_only(method: Callable[..., Response]) -> Callable[..., Response]:
         return method(self, request, context)
 
     return wrapper
+
+
+def _action_name(text: str) -> str:
+    """A subscriber's action name (default "default"): bounded, and without the topic
+    separator. Raises InvalidArgument (a prefix of the name is echoed, never all of it)."""
+    action = text or "default"
+    size = len(action.encode())
+    if size > limits.ACTION_NAME_BYTES_MAX or "/" in action:
+        shown = action[:40] + ("..." if len(action) > 40 else "")
+        reason = f"{shown!r} ({size} bytes): want 1..{limits.ACTION_NAME_BYTES_MAX} bytes, no '/'"
+        raise InvalidArgument("action_name", reason)
+    return action
 
 
 def _ipc_stream(slices: list[RowSlice]) -> bytes:
@@ -193,6 +210,7 @@ def _reporting_damage(group: Group, store: TableStore) -> Iterator[None]:
 class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     def __init__(self, node: NodeView) -> None:
         self._node = node
+        self._streams = StreamSlots()
 
     # --- routing ---
 
@@ -291,11 +309,11 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @streaming
     def Subscribe(self, request: pb.SubscribeRequest, context: Any) -> Iterator[pb.RowBatch]:
+        action = _action_name(request.action_name)
         group = self._group_of(request.table, leader_only=True)
         group.require_leader()
         store = group.store(request.table)
         view = group.table_view(request.table)
-        action = request.action_name or "default"
         position = resolve_start(group, store, action, request.offset)
         topic = topic_name(request.table, action)
         group.subscriber_opened(topic)
@@ -358,7 +376,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def CommitOffset(self, request: pb.CommitOffsetRequest, context: Any) -> pb.TopicOffset:
-        topic = topic_name(request.table, request.action_name or "default")
+        topic = topic_name(request.table, _action_name(request.action_name))
         self._group_of(request.table, leader_only=True).commit_offset(topic, request.offset)
         return pb.TopicOffset(topic=topic, offset=request.offset)
 
@@ -494,12 +512,14 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             "alias": self._node.alias,
             "ready": self._node.ready(),
             "groups": self._node.group_statuses(),
+            "streams_open": self._streams.open,
             **self._node.housekeeping_status(),
         }
         return pb.JsonDocument(json=json.dumps(document))
 
 
-GRPC_WORKERS: Final = 64
+# Every stream holds a worker while it lasts: the streams' share plus the unary calls'.
+GRPC_WORKERS: Final = limits.STREAMS_MAX + limits.UNARY_WORKERS
 
 
 def start_server(

@@ -486,6 +486,9 @@ class GroupStateMachine:
     def topics(self) -> dict[str, int]:
         return dict(self._topics)
 
+    def topic_count(self) -> int:
+        return len(self._topics)
+
     # -- leader-side validation (nothing is proposed on error) -------------------------
 
     def validate_create(self, command: CreateTable) -> pa.Schema:

@@ -199,6 +199,7 @@ NODE_LAYERS: dict[str, int] = {
     **dict.fromkeys(("pysyncobj_patches", "peer_auth", "node_tls"), 3),
     **dict.fromkeys(("apply", "identity", "local_replica", "replication", "group"), 4),
     **dict.fromkeys(("subscriptions", "pipeline", "routing", "catalog", "scrub", "digest"), 5),
+    **dict.fromkeys(("admission",), 5),
     **dict.fromkeys(("leadership", "metrics", "status_page"), 5),
     **dict.fromkeys(("service", "status_http"), 6),
     **dict.fromkeys(("node", "__main__"), 7),
