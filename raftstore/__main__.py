@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from hastream.errors import ConfigError
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    # Everything the node creates (data files, logs, checkpoints) is its own: 0600 / 0700.
+    os.umask(0o077)
     try:
         cluster = config.load(args.config)
         cluster.node(args.node)

@@ -127,7 +127,8 @@ GROUP_ID_MIN: Final = 2  # as in DolphinDB; 0 is the node-local (non-HA) group
 GROUP_ID_MAX: Final = 2**31 - 1  # the proto carries it as int32
 PORT_MIN: Final = 1
 PORT_MAX: Final = 65535
-CONFIG_BYTES_MAX: Final = 1024 * 1024  # a cfg file is small; refuse anything absurd
+CONFIG_BYTES_MAX: Final = 1024 * 1024
+SECRET_CHARS_MIN_OFF_LOOPBACK: Final = 16  # a cfg file is small; refuse anything absurd
 
 ALIAS_PATTERN: Final = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 HOST_PATTERN: Final = re.compile(r"[A-Za-z0-9._-]{1,253}")  # no ':' (the address separator)
@@ -273,6 +274,7 @@ def parse(text: str, path: Path) -> ClusterConfig:
         for alias, fields in node_values.items()
     )
     _check_tls_everywhere_or_nowhere(where, nodes)
+    _check_secret_strength(where, global_values.get(KEY_SECRET, ""), nodes)
     _check_ports_unique(where, nodes)
     _check_advertised_unique(where, nodes)
     _check_dirs_disjoint(where, nodes)
@@ -689,6 +691,23 @@ def _parse_tls(
         ca_file=paths[KEY_TLS_CA],
         client_auth=auth == "require",
     )
+
+
+def _check_secret_strength(where: str, secret: str, nodes: tuple[NodeConfig, ...]) -> None:
+    """A node reachable from other machines needs a secret that cannot be guessed: the
+    secret is all that stands between its Raft port and remote code execution."""
+    exposed = [node.alias for node in nodes if not _is_loopback(node.host)]
+    if exposed and len(secret) < SECRET_CHARS_MIN_OFF_LOOPBACK:
+        reason = (
+            f"shorter than {SECRET_CHARS_MIN_OFF_LOOPBACK} characters while {exposed[0]} binds "
+            "a non-loopback host; use a long random secret (python -c 'import secrets; "
+            "print(secrets.token_urlsafe(24))')"
+        )
+        raise ConfigError(where, KEY_SECRET, "<hidden>", reason)
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.")
 
 
 def _check_tls_everywhere_or_nowhere(where: str, nodes: tuple[NodeConfig, ...]) -> None:

@@ -280,7 +280,7 @@ def clusters(draw: st.DrawFn) -> ClusterConfig:
         nodes=tuple(nodes),
         purge_interval_s=draw(st.floats(min_value=0.001, max_value=1e9)),
         raft_secret=draw(
-            st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF), min_size=1)
+            st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF), min_size=16)
         ),
         election_timeout_s=draw(st.floats(min_value=0.2, max_value=60.0)),
     )
@@ -491,7 +491,9 @@ def test_client_port_equal_to_a_raft_port_on_one_host_is_refused() -> None:
 
 
 def test_same_ports_on_different_hosts_are_accepted() -> None:
-    text = cfg(n2__host="10.0.0.2", n2__port="8901", n2__raftPorts="2:9201")
+    text = cfg(
+        n2__host="10.0.0.2", n2__port="8901", n2__raftPorts="2:9201", streamingRaftSecret="x" * 16
+    )
     assert config.parse(text, CFG_PATH).node("n2").port == 8901
 
 
@@ -617,3 +619,14 @@ def test_bad_preferred_leaders_are_refused(value: str, reason: str) -> None:
     error = refused(cfg(streamingPreferredLeaders=value))
     assert error.key == "streamingPreferredLeaders"
     assert reason in error.reason
+
+
+@pytest.mark.parametrize("host", ["10.0.0.5", "db1.example.com", "0.0.0.0"])
+def test_a_short_secret_is_refused_when_a_node_is_reachable_from_elsewhere(host: str) -> None:
+    text = cfg(streamingRaftSecret="tiny").replace("n2.host=127.0.0.1", f"n2.host={host}")
+    with pytest.raises(ConfigError, match="shorter than 16 characters while n2") as raised:
+        config.parse(text, CFG_PATH)
+    assert raised.value.key == "streamingRaftSecret"
+    assert "tiny" not in str(raised.value)  # the secret is never echoed
+    long_secret = cfg(streamingRaftSecret="x" * 16).replace("n2.host=127.0.0.1", f"n2.host={host}")
+    assert config.parse(long_secret, CFG_PATH).node("n2").host == host

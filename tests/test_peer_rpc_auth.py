@@ -16,7 +16,7 @@ from hastream.errors import Overloaded, Unauthenticated
 from proto import hastream_pb2 as pb
 from raftstore import limits
 from raftstore.peer_auth import METADATA_KEY, PeerSigner, PeerVerifier, peer_key
-from tests.harness import AckedPublisher, LocalCluster
+from tests.harness import AckedPublisher, LocalCluster, wait_until
 
 KEY = b"k" * 32
 SCHEMA = pa.schema(
@@ -152,3 +152,20 @@ def test_a_client_cannot_call_peer_only_rpcs(cluster: LocalCluster) -> None:
     assert cluster.row_count(leader, "ticks") == 100
     groups = cluster.stub(leader).GetStreamingRaftGroups(pb.Empty(), timeout=10)
     assert all("stolen" not in group.tables for group in groups.groups)
+
+
+@pytest.mark.cluster
+def test_a_nodes_files_are_its_own(cluster: LocalCluster) -> None:
+    """Data files, Raft logs and checkpoints: 0600, their directories 0700 (the node's
+    umask), whatever the umask of whoever started it."""
+    cluster.create_table("private", SCHEMA)
+    AckedPublisher(cluster, "private", SCHEMA).publish(0, 10)
+    node_root = cluster.root / "node1"
+    wait_until(
+        lambda: any((node_root / "persistence").rglob("seg-*.dat")), timeout_s=30, message="data"
+    )
+    paths = [path for path in node_root.rglob("*") if not path.is_symlink()]
+    assert any(path.is_file() for path in paths)
+    for path in paths:
+        mode = path.stat().st_mode & 0o777
+        assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
