@@ -35,8 +35,8 @@ from api_clients.call_policy import Action, AttemptState, decide, hedgeable, lea
 from api_clients.hedge import HEDGE_DELAY_S_DEFAULT, AttemptMonitor, LeaderWatch
 from api_clients.reader import read_range
 from api_clients.retry import BACKOFF_INITIAL_S, BACKOFF_MAX_S, Backoff
-from api_clients.subscriber import Subscription
-from api_clients.types import Filter, Handler, TableInfo
+from api_clients.subscriber import Subscription, subscription_filter, subscription_handler
+from api_clients.types import Filter, TableInfo
 from hastream import wire
 from hastream.errors import InvalidArgument, RaftStoreError
 from hastream.model import LOCAL_GROUP, topic_name
@@ -629,28 +629,35 @@ class Session:
     def subscribe(
         self,
         tableName: str,
-        handler: Handler,
+        handler: Callable[..., object],
         offset: int = -1,
         actionName: str = "default",
         batchSize: int = 0,
         throttle: float = 1.0,
-        filter: Filter | None = None,  # DolphinDB's parameter name, shadowing the builtin.
+        # DolphinDB's parameter name, shadowing the builtin: a callable, or key values.
+        filter: Filter | Iterable[Any] | None = None,
         reconnect: bool = True,
         persistOffset: bool = True,
         msgAsTable: bool = True,
     ) -> Subscription:
         """Starts a background subscription to topic `tableName/actionName`; see
-        `api_clients.subscriber.Subscription` for the delivery contract."""
+        `api_clients.subscriber.Subscription` for the delivery contract.
+
+        Checked before it starts (so nothing fails later in the background): the table
+        exists (TableNotFound once every site says so), `handler` takes `(msg)` as in
+        DolphinDB's API or `(msg, first_offset)`, and `filter` is a callable or, as in
+        DolphinDB, a list of values of the table's key column to keep."""
         topic = topic_name(tableName, actionName)
+        info = self.getTableInfo(tableName)
         subscription = Subscription(
             self,
             tableName,
-            handler,
+            subscription_handler(handler),
             offset=offset,
             action_name=actionName,
             batch_size=batchSize,
             throttle_s=throttle,
-            filter=filter,
+            filter=subscription_filter(filter, info),
             reconnect=reconnect,
             persist_offset=persistOffset,
             msg_as_table=msgAsTable,

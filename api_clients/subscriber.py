@@ -14,20 +14,22 @@ worker can flush on `throttle` even while the stream is idle.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final, cast
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from api_clients import batches
 from api_clients.hedge import LeaderWatch
 from api_clients.transport import Stream, StreamBroken, StreamIdle, Unresponsive
-from api_clients.types import Filter, Handler, StreamOpener
+from api_clients.types import Filter, Handler, StreamOpener, TableInfo
 from hastream import wire
 from hastream.errors import InvalidArgument, RaftStoreError, TableNotFound
 from hastream.model import OFFSET_EARLIEST, OFFSET_LATEST, topic_name
@@ -117,6 +119,57 @@ class _StreamReader(threading.Thread):
                 continue
             return True
         return False
+
+
+def subscription_handler(handler: Any) -> Handler:
+    """`handler` as the subscriber calls it, `(message, first_offset)`: a one-argument
+    handler (DolphinDB's `handler(msg)`) is wrapped. Raises InvalidArgument for anything
+    that takes neither form."""
+    if not callable(handler):
+        raise InvalidArgument("handler", f"must be callable, got {type(handler).__name__}")
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):
+        return cast(Handler, handler)  # a builtin without a signature: trust the caller
+    for arguments in ((None, 0), (None,)):
+        try:
+            signature.bind(*arguments)
+        except TypeError:
+            continue
+        if len(arguments) == 2:
+            return cast(Handler, handler)
+        return lambda message, first_offset: handler(message)
+    raise InvalidArgument("handler", f"must take (msg) or (msg, first_offset), not {signature}")
+
+
+def subscription_filter(filter: Any, info: TableInfo) -> Filter | None:
+    """`filter` as the subscriber calls it: a callable as given; a list, tuple or set of
+    values (DolphinDB's list filter) keeps the rows whose key column is one of them.
+    Raises InvalidArgument (a list filter on a table without a key column, values of the
+    wrong type, anything else)."""
+    if filter is None or callable(filter):
+        return cast("Filter | None", filter)
+    if not isinstance(filter, list | tuple | set | frozenset):
+        raise InvalidArgument(
+            "filter", f"must be a callable or a list of key values, not {type(filter).__name__}"
+        )
+    key = info.key_column
+    if key is None:
+        raise InvalidArgument(
+            "filter",
+            f"a list filter keeps rows by the key column, and table {info.table} has none; "
+            "pass a callable",
+        )
+    key_type = info.schema.field(key).type
+    try:
+        values = pa.array(list(filter), type=key_type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as error:
+        raise InvalidArgument("filter", f"values are not {key_type} ({key}): {error}") from None
+
+    def keep(table: pa.Table) -> pa.Array | pa.ChunkedArray:
+        return pc.is_in(table.column(key), value_set=values)
+
+    return keep
 
 
 class Subscription:
