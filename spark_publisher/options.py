@@ -5,8 +5,12 @@ strings; `parse` turns it into `HAStreamOptions` or raises `OptionError` naming 
 the value and what is allowed, so a typo fails on the driver before any task runs.
 
 Option names follow Spark's Kafka connector (`startingOffsets`, `endingOffsets`,
-`maxRowsPerTrigger`). Offsets are table row offsets: row N is the N-th row appended since
-the table was created; a range `[start, end)` is half-open.
+`maxRowsPerTrigger`); the connector's own names are accepted where the meaning is the same
+(`kafka.bootstrap.servers`, `subscribe`, `maxOffsetsPerTrigger`...: ALIASES), and its
+options that would change results but are not implemented are refused (REFUSED).
+
+Offsets are table row offsets: row N is the N-th row appended since the table was created;
+a range `[start, end)` is half-open.
 """
 
 from __future__ import annotations
@@ -55,6 +59,30 @@ KNOWN_OPTIONS: Final = (
     "certFile",
     "keyFile",
 )
+# Spark's Kafka connector's names for the same meaning (a Kafka job's options carry over).
+ALIASES: Final[dict[str, str]] = {
+    "kafka.bootstrap.servers": "sites",
+    "bootstrap.servers": "sites",
+    "subscribe": "table",
+    "topic": "table",
+    "maxOffsetsPerTrigger": "maxRowsPerTrigger",
+}
+# Kafka connector options that would change what a query returns and that this source does
+# not implement: refused, never ignored (an ignored startingTimestamp would read everything).
+REFUSED: Final[dict[str, str]] = {
+    "startingTimestamp": "not supported yet: use startingOffsets",
+    "startingOffsetsByTimestamp": "not supported yet: use startingOffsets",
+    "endingTimestamp": "not supported yet: use endingOffsets",
+    "endingOffsetsByTimestamp": "not supported yet: use endingOffsets",
+    "minOffsetsPerTrigger": "not supported yet: micro-batches take what is there",
+    "maxTriggerDelay": "not supported yet (it goes with minOffsetsPerTrigger)",
+    "minPartitions": "not the same meaning here: numPartitions caps the tasks of a batch",
+    "assign": "a table has no partitions to assign: use table",
+    "subscribePattern": "not supported: one table per source (table)",
+    "includeHeaders": "rows have no headers",
+    "groupIdPrefix": "offsets are per action: use action",
+    "kafka.group.id": "offsets are per action: use action",
+}
 # Options Spark itself puts into a source's or sink's option map.
 _SPARK_OPTIONS: Final = frozenset({"path", "checkpointlocation", "queryname"})
 
@@ -104,7 +132,7 @@ class HAStreamOptions:
 
 def parse(options: Mapping[str, str]) -> HAStreamOptions:
     """Parses Spark's option map (keys in any case). Raises OptionError."""
-    values = {str(key).lower(): str(value) for key, value in options.items()}
+    values = _canonical({str(key).lower(): str(value) for key, value in options.items()})
     _check_unknown(values)
     return HAStreamOptions(
         sites=_sites(values.get("sites")),
@@ -146,6 +174,33 @@ def _tls(values: Mapping[str, str]) -> ClientTls | None:
     except InvalidArgument as error:
         raise OptionError(error.argument, None, error.detail) from None
     return tls
+
+
+def _canonical(values: dict[str, str]) -> dict[str, str]:
+    """Kafka's names replaced by this source's; refuses the Kafka options it does not
+    implement, `failOnDataLoss=false` (it always fails rather than skip rows), and an alias
+    that contradicts the option it stands for."""
+    refused = {name.lower(): (name, reason) for name, reason in REFUSED.items()}
+    canonical = dict(values)
+    for key, value in values.items():
+        if key in refused:
+            name, reason = refused[key]
+            raise OptionError(name, value, reason)
+        if key == "failondataloss":
+            if value.lower() != "true":
+                raise OptionError(
+                    "failOnDataLoss", value, "only true: a query never skips unread rows"
+                )
+            del canonical[key]
+    for alias, name in ALIASES.items():
+        if alias.lower() not in canonical:
+            continue
+        value = canonical.pop(alias.lower())
+        given = canonical.get(name.lower())
+        if given is not None and given != value:
+            raise OptionError(alias, value, f"contradicts {name}={given!r}")
+        canonical[name.lower()] = value
+    return canonical
 
 
 def _check_unknown(values: Mapping[str, str]) -> None:

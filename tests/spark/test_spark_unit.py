@@ -62,6 +62,41 @@ def test_options_parse_kafka_style_names_in_any_case() -> None:
     assert pickle.loads(pickle.dumps(options)) == options
 
 
+def test_kafka_connector_names_are_accepted_where_they_mean_the_same() -> None:
+    options = parse(
+        {
+            "kafka.bootstrap.servers": SITES,
+            "subscribe": "t",
+            "maxOffsetsPerTrigger": "1000",
+            "failOnDataLoss": "true",
+        }
+    )
+    assert (options.sites[0], options.table, options.max_rows_per_trigger) == (
+        "127.0.0.1:8901",
+        "t",
+        1000,
+    )
+    assert parse({"bootstrap.servers": SITES, "topic": "t", "table": "t"}).table == "t"
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"startingTimestamp": "1700000000000"}, "startingTimestamp=.*not supported yet"),
+        ({"startingOffsetsByTimestamp": "{}"}, "not supported yet"),
+        ({"minOffsetsPerTrigger": "10"}, "not supported yet"),
+        ({"minPartitions": "4"}, "numPartitions caps"),
+        ({"failOnDataLoss": "false"}, "only true"),
+        ({"subscribe": "other"}, "contradicts table='t'"),
+    ],
+)
+def test_kafka_options_that_would_change_results_are_refused(
+    given: dict[str, str], message: str
+) -> None:
+    with pytest.raises(OptionError, match=message):
+        parse({"sites": SITES, "table": "t", **given})
+
+
 @pytest.mark.parametrize(
     ("given", "message"),
     [
