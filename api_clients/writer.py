@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -131,6 +132,8 @@ class WriterStatus:
     retries: int
     duplicateBatches: int
     threadStatus: tuple[ThreadStatus, ...]
+    # Where unacknowledged rows are kept: the durable buffer's directory, or "memory".
+    bufferDir: str = "memory"
 
     def hasError(self) -> bool:
         return bool(self.errorCode)
@@ -418,7 +421,14 @@ class MultithreadedTableWriter:
         self._exiting = False
         self._closed = False
         self._flusher_stop = threading.Event()
-        queues = self._open_queues(threadCount, bufferBytesMax)
+        # A construction that fails (unknown table, wrong partitionCol) leaves no buffer
+        # directory behind that it created, e.g. ./.hastream_buffer/ in the caller's cwd.
+        created = None if self._buffer_dir is None else _first_missing(self._buffer_dir)
+        try:
+            queues = self._open_queues(threadCount, bufferBytesMax)
+        except BaseException:
+            _remove_created(created)
+            raise
         try:
             self._schema = self._resolve_schema(schema, queues)
             if partitionCol is not None and partitionCol not in self._schema.names:
@@ -429,6 +439,7 @@ class MultithreadedTableWriter:
             for lane_queues in queues:
                 for queue, _ in lane_queues:
                     queue.close()
+            _remove_created(created)
             raise
         self._partition_col = partitionCol
         self._partition_type = (
@@ -632,6 +643,7 @@ class MultithreadedTableWriter:
             retries=sum(t.retries for t in threads),
             duplicateBatches=sum(t.duplicateBatches for t in threads),
             threadStatus=threads,
+            bufferDir="memory" if self._buffer_dir is None else str(self._buffer_dir),
         )
 
     def getUnwrittenData(self) -> pa.Table:
@@ -766,3 +778,19 @@ def _read_directory(directory: Path, table: str) -> list[pa.Table]:
         with DurableBuffer(path, table=table) as buffer:
             tables.extend(batches.decode(record.payload) for record in buffer.pending_records())
     return tables
+
+
+def _first_missing(directory: Path) -> Path | None:
+    """The outermost of `directory` and its parents that does not exist yet (what creating
+    `directory` would create first); None when `directory` exists."""
+    missing = None
+    for candidate in (directory, *directory.parents):
+        if candidate.exists():
+            break
+        missing = candidate
+    return missing
+
+
+def _remove_created(created: Path | None) -> None:
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)

@@ -19,7 +19,7 @@ import pytest
 from api_clients import MultithreadedTableWriter, Session, batches
 from api_clients import buffer_format as fmt
 from api_clients.buffer import COMMIT_NAME, DurableBuffer, MemoryBuffer
-from hastream.errors import CorruptionError, InvalidArgument, Overloaded
+from hastream.errors import CorruptionError, InvalidArgument, Overloaded, RaftStoreError
 
 pytestmark = pytest.mark.storage
 
@@ -348,3 +348,25 @@ def test_records_appended_before_a_kill_9_survive_it(tmp_path: Path) -> None:
         assert sequences == list(range(1, len(sequences) + 1))
         assert len(sequences) >= reported  # Everything acknowledged by append() is there.
         assert ids_of(pending) == list(range(100 * len(sequences)))
+
+
+def test_a_writer_that_fails_to_start_leaves_no_buffer_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        site = f"127.0.0.1:{sock.getsockname()[1]}"
+    with Session([site], deadline_s=0.5, hedge_delay_s=None) as session:
+        with pytest.raises(RaftStoreError):
+            MultithreadedTableWriter(session, "unknown_table")
+        assert not (tmp_path / ".hastream_buffer").exists()
+        given = tmp_path / "mine" / "buffers"
+        with pytest.raises(RaftStoreError):
+            MultithreadedTableWriter(session, "unknown_table", durableBufferDir=given)
+        assert not (tmp_path / "mine").exists()
+        existing = tmp_path / "kept"
+        existing.mkdir()
+        with pytest.raises(RaftStoreError):
+            MultithreadedTableWriter(session, "unknown_table", durableBufferDir=existing)
+        assert existing.is_dir()  # not created by the writer: left alone
