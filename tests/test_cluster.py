@@ -14,12 +14,13 @@ import pyarrow as pa
 import pytest
 
 from proto import hastream_pb2 as pb
-from raftstore.storage.format import HEADER_SIZE
 from tests.harness import (
     AckedPublisher,
     LocalCluster,
     assert_replicas_hold_exactly,
     ipc_stream,
+    restart_with_a_damaged_record,
+    wait_damage_repaired,
     wait_replicas_settled,
     wait_until,
 )
@@ -187,23 +188,8 @@ def test_corrupt_data_file_is_reported_and_repaired_from_a_peer(
         timeout_s=60,
         message="follower checkpointed the rows",
     )
-    cluster.kill(follower)
-    (table_dir,) = (cluster.root / follower / "persistence" / "group-2").glob("ticks.*")
-    segment = sorted(table_dir.glob("seg-*.dat"))[0]
-    data = bytearray(segment.read_bytes())
-    # A flipped byte in the first record's payload: records follow it, so it cannot be a
-    # torn tail (a damaged last record would be cut as one, and fetched back the same way).
-    data[HEADER_SIZE + 8] ^= 0xFF
-    segment.write_bytes(bytes(data))
-    cluster.start_node(follower)
-
-    def repaired() -> bool:
-        # GetTableInfo's row_count is the replicated count, restored from the checkpoint
-        # before the files are opened: wait for the damage to be found and the repair done.
-        status = cluster.group_status(follower, 2)
-        return status["corruptions_repaired"] >= 1 and status["health"]["state"] == "healthy"
-
-    wait_until(repaired, timeout_s=60, message="corrupt follower repaired")
+    table_dir = restart_with_a_damaged_record(cluster, follower, "ticks")
+    wait_damage_repaired(cluster, follower)
     assert cluster.group_status(follower, 2)["corruptions_repaired"] == 1
     assert cluster.row_count(follower, "ticks") == 5000
     quarantine = table_dir.parent / ".quarantine"

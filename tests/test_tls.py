@@ -18,7 +18,14 @@ from deploy.dev_tls import DevCA
 from hastream.errors import ConfigError, InvalidArgument
 from hastream.tls import ClientTls
 from raftstore import config
-from tests.harness import AckedPublisher, LocalCluster, assert_replicas_hold_exactly, wait_until
+from tests.harness import (
+    AckedPublisher,
+    LocalCluster,
+    assert_replicas_hold_exactly,
+    restart_with_a_damaged_record,
+    wait_damage_repaired,
+    wait_until,
+)
 from tests.ops_helpers import run_cli, run_cli_raw
 
 SCHEMA = pa.schema([("id", pa.int64()), ("ts", pa.timestamp("ms")), ("sym", pa.string())])
@@ -180,19 +187,8 @@ def test_a_damaged_replica_repairs_from_its_peers_over_mutual_tls(
         timeout_s=60,
         message="follower checkpointed the rows",
     )
-    cluster.kill(follower)
-    (table_dir,) = (cluster.root / follower / "persistence" / "group-2").glob("repaired.*")
-    segment = sorted(table_dir.glob("seg-*.dat"))[0]
-    data = bytearray(segment.read_bytes())
-    data[len(data) // 3] ^= 0xFF
-    segment.write_bytes(bytes(data))
-    cluster.start_node(follower)
-
-    def repaired() -> bool:
-        status = cluster.group_status(follower, 2)
-        return status["corruptions_repaired"] >= 1 and status["health"]["state"] == "healthy"
-
-    wait_until(repaired, timeout_s=60, message="damaged follower repaired over TLS")
+    restart_with_a_damaged_record(cluster, follower, "repaired")
+    wait_damage_repaired(cluster, follower)
     assert "repair fetched" in cluster.log_tail(follower, lines=400)
     assert_replicas_hold_exactly(cluster, "repaired", publisher.acked)
 
