@@ -40,6 +40,7 @@ import pysyncobj.tcp_connection as pysyncobj_tcp_connection
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from raftstore import limits
+from raftstore.log_limits import OncePerInterval
 from raftstore.storage.journal import DurableJournal
 
 log = logging.getLogger(__name__)
@@ -302,16 +303,18 @@ def _connection_read(self: Any) -> bool:
     return more
 
 
-_refusals_logged_at = 0.0
+_frame_refusals = OncePerInterval()
 
 
 def _log_refused_frame(what: str) -> None:
-    """At most one line a second: a flood of bad frames must not flood the log."""
-    global _refusals_logged_at
-    now = pysyncobj_tcp_connection.monotonicTime()
-    if now - _refusals_logged_at >= 1.0:
-        _refusals_logged_at = now
-        log.warning("dropping raft link: %s (limit %d)", what, limits.RAFT_FRAME_BYTES_MAX)
+    events = _frame_refusals.due()
+    if events is not None:
+        log.warning(
+            "dropping raft link: %s (limit %d; %d links dropped since the last line)",
+            what,
+            limits.RAFT_FRAME_BYTES_MAX,
+            events,
+        )
 
 
 def _connection_timeout(self: Any) -> None:

@@ -27,6 +27,7 @@ from hastream.errors import (
     TableNotFound,
     TooManyTables,
     TopicNotFound,
+    Unauthenticated,
     UnknownGroup,
     to_wire,
 )
@@ -39,6 +40,7 @@ from raftstore.catalog import Catalog
 from raftstore.config import ClusterConfig
 from raftstore.digest import table_digest
 from raftstore.group import Group
+from raftstore.log_limits import OncePerInterval
 from raftstore.peer_auth import PeerVerifier
 from raftstore.pipeline import PublishStream, StreamedPublish
 from raftstore.state_machine import ItemResult, TableView
@@ -111,10 +113,28 @@ def peer_only(method: Callable[..., Response]) -> Callable[..., Response]:
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Response:
-        self._node.peer_verifier.verify(method.__name__, context.invocation_metadata())
+        try:
+            self._node.peer_verifier.verify(method.__name__, context.invocation_metadata())
+        except Unauthenticated as refused:
+            _log_refusal(context.peer(), refused)
+            raise
         return method(self, request, context)
 
     return wrapper
+
+
+_refusals = OncePerInterval()
+
+
+def _log_refusal(peer: str, refused: Unauthenticated) -> None:
+    events = _refusals.due()
+    if events is not None:
+        log.warning(
+            "refused a peer-only call from %r: %s (%d refused since the last line)",
+            peer,
+            refused.reason,
+            events,
+        )
 
 
 def _action_name(text: str) -> str:

@@ -15,6 +15,7 @@ import pytest
 from hastream.errors import Overloaded, Unauthenticated
 from proto import hastream_pb2 as pb
 from raftstore import limits
+from raftstore.log_limits import OncePerInterval
 from raftstore.peer_auth import METADATA_KEY, PeerSigner, PeerVerifier, peer_key
 from tests.harness import AckedPublisher, LocalCluster, wait_until
 
@@ -85,6 +86,16 @@ def test_the_replay_cache_is_bounded_and_forgets_expired_nonces(
     verifier.verify("GetTableClaims", signer.metadata("GetTableClaims"))
 
 
+@pytest.mark.unit
+def test_refusals_are_logged_once_a_second_with_the_count_between() -> None:
+    clock = Clock()
+    limiter = OncePerInterval(1.0, clock)
+    assert limiter.due() == 1
+    assert [limiter.due() for _ in range(5)] == [None] * 5
+    clock.now += 1.0
+    assert limiter.due() == 6
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     cluster = LocalCluster(tmp_path / "cluster")
@@ -145,6 +156,7 @@ def test_a_client_cannot_call_peer_only_rpcs(cluster: LocalCluster) -> None:
             assert code == grpc.StatusCode.UNAUTHENTICATED, name
             assert error == "Unauthenticated", name
             assert "reason" in fields
+    assert "refused a peer-only call" in cluster.log_tail(leader, lines=200)
     # Nothing was done: no repair started, the table still served, no stolen name.
     status = cluster.group_status(leader, 2)
     assert status["corruptions_repaired"] == 0
