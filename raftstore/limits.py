@@ -39,6 +39,10 @@ RAFT_SOCKET_BUFFER_BYTES: Final = 4 * MIB
 # entry; plus pickling and encryption): a longer declared length drops the link before
 # its bytes are buffered, and a link holding more than two such frames unparsed is dropped.
 RAFT_FRAME_BYTES_MAX: Final = RAFT_APPEND_BATCH_BYTES + ENTRY_BYTES_MAX + MIB
+# Accepted Raft links that have not proven the cluster key yet: at most this many at once,
+# each closed after this long (a peer's handshake takes milliseconds).
+RAFT_UNAUTHENTICATED_MAX: Final = 64
+RAFT_HANDSHAKE_S: Final = 5.0
 # Snapshot (checkpoint manifest) transfer chunk to a lagging follower.
 RAFT_SNAPSHOT_CHUNK_BYTES: Final = 1 * MIB
 

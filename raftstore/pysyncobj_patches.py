@@ -15,7 +15,9 @@ Process-wide (`install`):
 - `TcpConnection.send` (drops a link whose unsent bytes pass RAFT_SEND_BUFFER_BYTES_MAX),
   `TcpConnection.__processConnectionTimeout` (a silent link is dropped only when this node
   has been talking on it and nothing waits to be read) and `TcpConnection.__processRead`
-  (drops a link declaring a frame longer than RAFT_FRAME_BYTES_MAX before buffering it).
+  (drops a link declaring a frame longer than RAFT_FRAME_BYTES_MAX before buffering it);
+- `TCPTransport._onNewIncomingConnection` and `_onTick` (at most RAFT_UNAUTHENTICATED_MAX
+  accepted links wait for their handshake, each at most RAFT_HANDSHAKE_S).
 Per class, in replication.py's `_SyncObj` (listed in `SYNCOBJ_METHODS` for the guard):
 `__applyLogEntries`, `__doApplyCommand`, `__onMessageReceived`, `__sendNextNodeIdx`,
 `__tryLogCompaction`.
@@ -37,6 +39,7 @@ from typing import Any, Final
 import pysyncobj.pickle as pysyncobj_pickle
 import pysyncobj.syncobj as pysyncobj_syncobj
 import pysyncobj.tcp_connection as pysyncobj_tcp_connection
+import pysyncobj.transport as pysyncobj_transport
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from raftstore import limits
@@ -92,6 +95,8 @@ _MODULE_NAMES: Final = (
     (pysyncobj_tcp_connection.TcpConnection, "getSendBufferSize"),
     (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processConnectionTimeout"),
     (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processRead"),
+    (pysyncobj_transport.TCPTransport, "_onNewIncomingConnection"),
+    (pysyncobj_transport.TCPTransport, "_onTick"),
 )
 
 _installed = False
@@ -264,6 +269,9 @@ def install() -> None:
     connection.send = _connection_send
     connection._TcpConnection__processConnectionTimeout = _connection_timeout
     connection._TcpConnection__processRead = _connection_read
+    transport = pysyncobj_transport.TCPTransport
+    transport._onNewIncomingConnection = _incoming_connection
+    transport._onTick = _transport_tick
 
 
 _original_connection_send = pysyncobj_tcp_connection.TcpConnection.send
@@ -301,6 +309,47 @@ def _connection_read(self: Any) -> bool:
             self.disconnect()
             return False
     return more
+
+
+_original_incoming = pysyncobj_transport.TCPTransport._onNewIncomingConnection
+_original_transport_tick = pysyncobj_transport.TCPTransport._onTick
+_handshake_refusals = OncePerInterval()
+
+
+def _incoming_connection(self: Any, connection: Any) -> None:
+    # Wraps TCPTransport._onNewIncomingConnection. An accepted link stays in pysyncobj's
+    # `_unknownConnections` until the peer proves the key (its first frames); pysyncobj
+    # keeps such links for ever and without number. At most RAFT_UNAUTHENTICATED_MAX wait at
+    # once (more are closed at accept), each for at most RAFT_HANDSHAKE_S (_transport_tick).
+    _drop_stale_handshakes(self)
+    if len(self._unknownConnections) >= limits.RAFT_UNAUTHENTICATED_MAX:
+        _log_handshake_refusal(f"{len(self._unknownConnections)} links still unauthenticated")
+        connection.disconnect()
+        return
+    connection._hastream_accepted_at = pysyncobj_tcp_connection.monotonicTime()
+    _original_incoming(self, connection)
+
+
+def _transport_tick(self: Any) -> None:
+    _original_transport_tick(self)
+    if self._unknownConnections:
+        _drop_stale_handshakes(self)
+
+
+def _drop_stale_handshakes(transport: Any) -> None:
+    now = pysyncobj_tcp_connection.monotonicTime()
+    for connection in list(transport._unknownConnections):
+        accepted_at = getattr(connection, "_hastream_accepted_at", now)
+        if now - accepted_at > limits.RAFT_HANDSHAKE_S:
+            _log_handshake_refusal(f"no handshake within {limits.RAFT_HANDSHAKE_S:.0f}s")
+            transport._unknownConnections.discard(connection)
+            connection.disconnect()
+
+
+def _log_handshake_refusal(what: str) -> None:
+    events = _handshake_refusals.due()
+    if events is not None:
+        log.warning("closing raft link: %s (%d closed since the last line)", what, events)
 
 
 _frame_refusals = OncePerInterval()

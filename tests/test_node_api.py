@@ -453,6 +453,39 @@ def test_an_oversized_raft_frame_is_dropped_before_it_is_buffered(cluster: Local
     assert publish(cluster, "frames", rows("frames", 0, 5)).first_offset == 0
 
 
+def test_idle_unauthenticated_raft_links_are_bounded_and_closed(cluster: LocalCluster) -> None:
+    """Links that never prove the key: at most RAFT_UNAUTHENTICATED_MAX wait at once (more
+    are closed at accept), and each is closed after RAFT_HANDSHAKE_S."""
+    create(cluster, "links")
+    config = cluster.config_path.read_text()
+    raft_port = int(config.split("node1.raftPorts=")[1].split(",")[0].split(":")[1])
+    links = [socket.create_connection(("127.0.0.1", raft_port), timeout=5) for _ in range(300)]
+    try:
+        for link in links:
+            link.setblocking(False)
+
+        def closed(link: socket.socket) -> bool:
+            try:
+                return link.recv(1) == b""
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True
+
+        # Past the cap: closed at once (well before the handshake deadline).
+        wait_until(
+            lambda: sum(map(closed, links)) >= len(links) - limits.RAFT_UNAUTHENTICATED_MAX,
+            timeout_s=limits.RAFT_HANDSHAKE_S - 1,
+            message="links past the cap closed",
+        )
+        wait_until(lambda: all(map(closed, links)), timeout_s=30, message="every idle link closed")
+    finally:
+        for link in links:
+            link.close()
+    assert set(cluster.alive()) == set(cluster.nodes)
+    assert publish(cluster, "links", rows("links", 0, 5)).first_offset == 0
+
+
 def test_a_table_past_the_node_limit_is_refused_before_anything_is_proposed(
     tmp_path: Path,
 ) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pysyncobj.pickle as pysyncobj_pickle
 import pysyncobj.syncobj as pysyncobj_syncobj
 import pysyncobj.tcp_connection as pysyncobj_tcp_connection
+import pysyncobj.transport as pysyncobj_transport
 import pytest
 from pysyncobj import SyncObj, SyncObjConf
 
@@ -57,6 +58,9 @@ def test_install_replaces_the_module_globals() -> None:
     timeout = connection._TcpConnection__processConnectionTimeout
     assert timeout is pysyncobj_patches._connection_timeout
     assert connection._TcpConnection__processRead is pysyncobj_patches._connection_read
+    transport = pysyncobj_transport.TCPTransport
+    assert transport._onNewIncomingConnection is pysyncobj_patches._incoming_connection
+    assert transport._onTick is pysyncobj_patches._transport_tick
     pysyncobj_patches.install()  # idempotent
 
 
