@@ -264,6 +264,8 @@ def _on_message_received(self: _SyncObj, node: Any, message: Any) -> Any:
     if not isinstance(message, dict):
         return _original_on_message_received(self, node, message)
     kind = message.get("type")
+    if kind == "append_entries" and "prevLogIdx" not in message:
+        message = _snapshot_message_without_commit(self, message)
     if self._replica.rejoining:
         if kind == "request_vote":
             return None  # a rejoining replica may have lost its vote: it votes for nobody
@@ -292,6 +294,24 @@ def _on_message_received(self: _SyncObj, node: Any, message: Any) -> Any:
             next_index[node] = before
         return result
     return _original_on_message_received(self, node, message)
+
+
+def _snapshot_message_without_commit(self: _SyncObj, message: dict[str, Any]) -> dict[str, Any]:
+    # pysyncobj's follower takes `commit_index` from every append_entries, and for one that
+    # carries a snapshot (or a chunk of one, or an empty "not ready yet" one: no prevLogIdx)
+    # it sets its commit index to min(leader's commit, its own last index) without matching
+    # its log against the leader's. A follower whose log still holds entries of an old
+    # leader that never committed (a restarted node that led alone before it went down)
+    # then applies them: its state diverges, and pysyncobj later truncates them ("truncating
+    # already-applied log entries"). Found by `random --seed 11`: a replica served rows no
+    # other replica had. A snapshot message may not advance the commit index; the snapshot
+    # itself sets what it covers, and the next regular append_entries (with a log match)
+    # advances the rest.
+    commit_index = int(message.get("commit_index", 0))
+    own = int(self._SyncObj__raftCommitIndex)
+    if commit_index <= own:
+        return message
+    return {**message, "commit_index": own}
 
 
 def _do_apply_command(self: _SyncObj, command: bytes) -> Any:
