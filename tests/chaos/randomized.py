@@ -66,8 +66,7 @@ def _kill_all(scenario: Scenario) -> None:
     for alias in sorted(scenario.cluster.nodes):
         scenario.kill(alias)
     scenario.hold(scenario.rng.uniform(0.0, 2.0))
-    for alias in sorted(scenario.cluster.nodes):
-        scenario.start(alias)
+    scenario.start_all(sorted(scenario.cluster.nodes))
 
 
 def _stop_one(scenario: Scenario) -> None:
@@ -84,8 +83,7 @@ def _restart_one(scenario: Scenario) -> None:
 def _restart_all(scenario: Scenario) -> None:
     for alias in sorted(scenario.cluster.nodes):
         scenario.terminate(alias)
-    for alias in sorted(scenario.cluster.nodes):
-        scenario.start(alias)
+    scenario.start_all(sorted(scenario.cluster.nodes))
 
 
 def _low_fd(scenario: Scenario) -> None:

@@ -85,6 +85,20 @@ class Scenario:
         self.note(f"start {alias}{limit}")
         self.cluster.start_node(alias, wait=False, nofile=nofile)
         self.down.discard(alias)
+        self._wait_ready(alias, limit)
+
+    def start_all(self, aliases: list[str]) -> None:
+        """Start every node of `aliases`, then wait for each: after a whole-cluster outage a
+        node whose last state was a repair (a leader's checkpoint installed, rows still to
+        fetch) is ready only once a peer can send them."""
+        for alias in aliases:
+            self.note(f"start {alias}")
+            self.cluster.start_node(alias, wait=False)
+            self.down.discard(alias)
+        for alias in aliases:
+            self._wait_ready(alias, "")
+
+    def _wait_ready(self, alias: str, limit: str) -> None:
         try:
             self.cluster.wait_node_ready(alias, timeout_s=NODE_READY_S)
         except AssertionError:
@@ -185,8 +199,8 @@ class Scenario:
 
     def heal(self) -> None:
         """Start every node the scenario took down."""
-        for alias in sorted(self.down):
-            self.start(alias)
+        if self.down:
+            self.start_all(sorted(self.down))
 
     def final_check(self, *, churn_names: tuple[str, ...] = ()) -> list[str]:
         """Stop the workload, settle, and check everything (see `model`). Returns problems."""
