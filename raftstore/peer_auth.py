@@ -27,6 +27,8 @@ from raftstore import limits
 METADATA_KEY: Final = "hastream-peer"
 _KEY_SALT: Final = b"hastream-peer-rpc-v1"
 _NONCE_BYTES: Final = 16
+# alias (64) + time + nonce + tag and separators, with room to spare: longer is garbage.
+_SIGNATURE_CHARS_MAX: Final = 256
 
 
 def peer_key(secret: str) -> bytes:
@@ -69,8 +71,8 @@ class PeerVerifier:
         value = next((v for k, v in metadata if k == METADATA_KEY), None)
         if not isinstance(value, str):
             raise Unauthenticated(f"{method} is for cluster nodes only (no peer signature)")
-        parts = value.split(" ")
-        if len(parts) != 4 or not parts[1].isdigit():
+        parts = value.split(" ", 4) if len(value) <= _SIGNATURE_CHARS_MAX else []
+        if len(parts) != 4 or not (parts[1].isdigit() and len(parts[1]) <= 16):
             raise Unauthenticated(f"{method}: malformed peer signature")
         alias, time_text, nonce, tag = parts
         expected = _tag(self._key, method, alias, int(time_text), nonce)

@@ -66,7 +66,7 @@ def test_forged_misdirected_stale_and_missing_signatures_are_refused() -> None:
         verifier.verify("FetchRecords", old)
     with pytest.raises(Unauthenticated, match="no peer signature"):
         verifier.verify("FetchRecords", ())
-    for garbage in ("", "a b c", "node2 x nonce tag", "x" * 10_000):
+    for garbage in ("", "a b c", "node2 x nonce tag", "x" * 10_000, "n " + "9" * 5000 + " a b"):
         with pytest.raises(Unauthenticated, match="malformed"):
             verifier.verify("FetchRecords", ((METADATA_KEY, garbage),))
 
