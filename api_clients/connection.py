@@ -648,11 +648,12 @@ class Session:
         DolphinDB's API or `(msg, first_offset)`, and `filter` is a callable or, as in
         DolphinDB, a list of values of the table's key column to keep."""
         topic = topic_name(tableName, actionName)
+        checked_handler = subscription_handler(handler)  # local checks before the network
         info = self.getTableInfo(tableName)
         subscription = Subscription(
             self,
             tableName,
-            subscription_handler(handler),
+            checked_handler,
             offset=offset,
             action_name=actionName,
             batch_size=batchSize,
