@@ -639,6 +639,7 @@ class Session:
         reconnect: bool = True,
         persistOffset: bool = True,
         msgAsTable: bool = True,
+        resub: bool | None = None,
     ) -> Subscription:
         """Starts a background subscription to topic `tableName/actionName`; see
         `api_clients.subscriber.Subscription` for the delivery contract.
@@ -646,7 +647,10 @@ class Session:
         Checked before it starts (so nothing fails later in the background): the table
         exists (TableNotFound once every site says so), `handler` takes `(msg)` as in
         DolphinDB's API or `(msg, first_offset)`, and `filter` is a callable or, as in
-        DolphinDB, a list of values of the table's key column to keep."""
+        DolphinDB, a list of values of the table's key column to keep. `resub` is
+        DolphinDB's name for `reconnect`."""
+        if resub is not None:  # DolphinDB's name for `reconnect`
+            reconnect = resub
         topic = topic_name(tableName, actionName)
         checked_handler = subscription_handler(handler)  # local checks before the network
         info = self.getTableInfo(tableName)
@@ -672,6 +676,11 @@ class Session:
             self._subscriptions[topic] = subscription
         subscription.start()
         return subscription
+
+    def getSubscriptionTopics(self) -> list[str]:
+        """The topics (`table/actionName`) this session subscribes to (DolphinDB's name)."""
+        with self._lock:
+            return sorted(self._subscriptions)
 
     def unsubscribe(self, tableName: str, actionName: str = "default") -> None:
         """Stops the subscription to `tableName/actionName` (committing its offset)."""
@@ -701,17 +710,19 @@ def connect(
     *,
     timeout_s: float = ATTEMPT_TIMEOUT_S_DEFAULT,
     deadline_s: float = DEADLINE_S_DEFAULT,
+    highAvailability: bool = True,
     tls: bool = False,
     caFile: str | None = None,
     certFile: str | None = None,
     keyFile: str | None = None,
 ) -> Session:
     """DolphinDB's `connect`: a session on `host:port`, failing over to
-    `highAvailabilitySites` (`host:port[:alias]` strings). Connects lazily: no network
-    call happens until the first request. `tls=True` (implied by any of the files):
+    `highAvailabilitySites` (`host:port[:alias]` strings; `highAvailability=False`, as in
+    DolphinDB's API, uses `host:port` alone). Connects lazily: no network call happens
+    until the first request. `tls=True` (implied by any of the files):
     TLS, trusting `caFile` (default: the system's roots), presenting `certFile`/`keyFile`
     to nodes that require a client certificate."""
-    sites = [f"{host}:{port}", *(highAvailabilitySites or ())]
+    sites = [f"{host}:{port}", *((highAvailabilitySites or ()) if highAvailability else ())]
     wants_tls = tls or any(path is not None for path in (caFile, certFile, keyFile))
     return Session(
         sites,

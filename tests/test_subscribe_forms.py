@@ -93,8 +93,15 @@ def test_dolphindb_forms_deliver_and_wrong_calls_fail_at_once(cluster: LocalClus
                 done.set()
 
         subscription = session.subscribe(
-            "forms", handler, offset=0, actionName="dolphin", filter=[3, 7], persistOffset=False
+            "forms",
+            handler,
+            offset=0,
+            actionName="dolphin",
+            filter=[3, 7],
+            persistOffset=False,
+            resub=True,
         )
+        assert session.getSubscriptionTopics() == ["forms/dolphin"]
         Publisher(session, "forms").append(
             pa.table({"id": range(10), "sym": ["s"] * 10}, schema=SCHEMA)
         )
@@ -102,3 +109,5 @@ def test_dolphindb_forms_deliver_and_wrong_calls_fail_at_once(cluster: LocalClus
         assert got == [3, 7]
         assert subscription.error is None
         assert subscription.is_alive()
+        session.unsubscribe("forms", "dolphin")
+        assert session.getSubscriptionTopics() == []
