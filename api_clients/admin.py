@@ -32,10 +32,30 @@ def schema_from_ipc(schema_ipc: bytes) -> pa.Schema:
         raise InvalidArgument("schema_ipc", f"not an Arrow IPC schema: {error}") from error
 
 
+def schema_of(template: object) -> pa.Schema:
+    """The schema a table is created with: a pyarrow Schema, or the columns of a template
+    as DolphinDB users pass one (a pyarrow Table or RecordBatch, a pandas DataFrame; its
+    index is not a column). Raises InvalidArgument for anything else."""
+    if isinstance(template, pa.Schema):
+        return template
+    if isinstance(template, pa.Table | pa.RecordBatch):
+        return template.schema
+    if type(template).__name__ == "DataFrame" and hasattr(template, "columns"):
+        try:
+            return pa.Schema.from_pandas(template, preserve_index=False)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as error:
+            raise InvalidArgument(
+                "schema", f"cannot type the DataFrame's columns: {error}"
+            ) from None
+    raise InvalidArgument(
+        "schema", f"need a pyarrow Schema, Table or pandas DataFrame, got {type(template).__name__}"
+    )
+
+
 def create_table_request(
     *,
     raft_group: int,
-    schema: pa.Schema,
+    schema: object,
     table: str,
     cache_limit: int,
     key_column: str | None,
@@ -48,12 +68,11 @@ def create_table_request(
             f"{table!r}: want 1..{wire.TABLE_NAME_BYTES_MAX} characters of [A-Za-z0-9_] "
             "starting with a letter",
         )
-    if not isinstance(schema, pa.Schema):
-        raise InvalidArgument("schema", f"need a pyarrow.Schema, got {type(schema).__name__}")
-    if not 0 < len(schema) <= wire.COLUMNS_MAX:
-        raise InvalidArgument("schema", f"{len(schema)} columns: want 1..{wire.COLUMNS_MAX}")
-    if key_column is not None and key_column not in schema.names:
-        raise InvalidArgument("keyColumn", f"{key_column!r} is not a column of {schema.names}")
+    columns = schema_of(schema)
+    if not 0 < len(columns) <= wire.COLUMNS_MAX:
+        raise InvalidArgument("schema", f"{len(columns)} columns: want 1..{wire.COLUMNS_MAX}")
+    if key_column is not None and key_column not in columns.names:
+        raise InvalidArgument("keyColumn", f"{key_column!r} is not a column of {columns.names}")
     if cache_limit <= 0:
         raise InvalidArgument("cacheLimit", f"must be > 0, got {cache_limit}")
     if retention_minutes <= 0:
@@ -61,7 +80,7 @@ def create_table_request(
     return hastream_pb2.CreateTableRequest(
         raft_group=raft_group,
         table=table,
-        schema_ipc=schema_to_ipc(schema),
+        schema_ipc=schema_to_ipc(columns),
         cache_limit=cache_limit,
         key_column=key_column or "",
         retention_minutes=retention_minutes,

@@ -460,13 +460,15 @@ class Session:
     def haStreamTable(
         self,
         raftGroup: int,
-        schema: pa.Schema,
+        schema: pa.Schema | pa.Table | Any,
         tableName: str,
         cacheLimit: int,
         keyColumn: str | None = None,
         retentionMinutes: int = admin.RETENTION_MINUTES_DEFAULT,
     ) -> TableInfo:
-        """Creates an HA stream table on every replica of Raft group `raftGroup` (>= 2)."""
+        """Creates an HA stream table on every replica of Raft group `raftGroup` (>= 2).
+        `schema`: a pyarrow Schema, or a template whose columns it takes (a pyarrow Table,
+        a pandas DataFrame)."""
         if raftGroup < 2:
             raise InvalidArgument("raftGroup", f"HA tables need a raft group >= 2, got {raftGroup}")
         request = admin.create_table_request(
@@ -482,7 +484,7 @@ class Session:
 
     def createStreamTable(
         self,
-        schema: pa.Schema,
+        schema: pa.Schema | pa.Table | Any,
         tableName: str,
         cacheLimit: int,
         keyColumn: str | None = None,

@@ -33,7 +33,7 @@ from api_clients import (
     connect,
     parse_site,
 )
-from api_clients.admin import schema_to_ipc
+from api_clients.admin import schema_of, schema_to_ipc
 from api_clients.connection import CHANNEL_OPTIONS
 from api_clients.retry import Backoff
 from hastream import errors
@@ -1354,3 +1354,15 @@ def test_buffered_publisher_resend_of_an_applied_record_is_answered_not_appended
 def test_buffered_publisher_refuses_its_own_producer_id(tmp_path: Path) -> None:
     with make_session(dead_site()) as session, pytest.raises(errors.InvalidArgument):
         Publisher(session, TABLE, durable_buffer_dir=tmp_path, producer_id=b"x" * 16)
+
+
+def test_a_table_or_dataframe_serves_as_the_schema_template() -> None:
+    schema = pa.schema([("id", pa.int64()), ("sym", pa.string())])
+    table = pa.table({"id": [1], "sym": ["a"]}, schema=schema)
+    assert schema_of(table) == schema
+    assert schema_of(table.to_batches()[0]) == schema
+    frame = table.to_pandas()
+    assert schema_of(frame).names == ["id", "sym"]
+    assert schema_of(frame).field("id").type == pa.int64()
+    with pytest.raises(errors.InvalidArgument, match="got dict"):
+        schema_of({"id": 1})
