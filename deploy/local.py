@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -459,10 +460,17 @@ def up(cluster: ClusterConfig, run_dir: Path, aliases: Sequence[str]) -> None:
             print(f"group {group_id}: leader {leader}")
 
 
-def down(run_dir: Path, aliases: Sequence[str]) -> None:
+def down(run_dir: Path, aliases: Sequence[str], wipe: Sequence[NodeConfig] = ()) -> None:
+    """Stop the nodes; with `wipe`, then delete those nodes' data and Raft directories (a
+    fresh cluster at the next `up`: every table and row gone)."""
     for alias in aliases:
         stopped = stop_node(run_dir, alias)
         print(f"{alias}: {'stopped' if stopped else 'not running'}")
+    for node in wipe:
+        for directory in (node.persistence_dir, node.ha_dir):
+            if directory.exists():
+                shutil.rmtree(directory)
+                print(f"{node.alias}: removed {directory}")
 
 
 def status(cluster: ClusterConfig, run_dir: Path, aliases: Sequence[str]) -> bool:
@@ -573,7 +581,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("node", nargs="?", default=None, help="one node alias (default: all)")
     parser.add_argument("--config", type=Path, default=Path("cluster.cfg"))
     parser.add_argument("--run-dir", type=Path, default=Path(".run"), help="pid and log files")
+    parser.add_argument(
+        "--wipe",
+        action="store_true",
+        help="down: also delete the nodes' data and Raft directories (every table is gone)",
+    )
     args = parser.parse_args(argv)
+    if args.wipe and args.action != "down":
+        parser.error("--wipe goes with down")
     if args.action in ("kill", "restart") and args.node is None:
         parser.error(f"{args.action} needs a NODE")
     args.run_dir = args.run_dir.absolute()
@@ -593,6 +608,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:
+        if args.wipe:
+            down(args.run_dir, aliases, [cluster.node(alias) for alias in aliases])
+            return 0
         return _run(args.action, cluster, args.run_dir, aliases)
     except NodeExited as error:
         print(f"error: {error}; last lines:\n{error.log_tail}", file=sys.stderr)

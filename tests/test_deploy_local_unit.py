@@ -184,3 +184,29 @@ def test_format_status_marks_a_leader_no_one_confirms(cluster: config.ClusterCon
     status = {"alias": "node1", "groups": [group_status(2, "follower", gone, 3)]}
     states = [local.NodeState(alias="node1", pid=1, alive=True, status=status)]
     assert f"GROUP 2  leader: unconfirmed ({gone}" in local.format_status(cluster, states)
+
+
+def test_down_wipe_removes_the_nodes_directories_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "cluster.cfg"
+    cfg.write_text(
+        (REPO_ROOT / "cluster.cfg")
+        .read_text()
+        .replace("data/<ALIAS>", str(tmp_path / "data/<ALIAS>"))
+    )
+    cluster = config.load(cfg)
+    for node in cluster.nodes:
+        for directory in (node.persistence_dir, node.ha_dir):
+            directory.mkdir(parents=True)
+            (directory / "file").write_text("x")
+    (tmp_path / "keep").write_text("mine")
+    run_dir = tmp_path / ".run"
+    assert local.main(["down", "--wipe", "--config", str(cfg), "--run-dir", str(run_dir)]) == 0
+    for node in cluster.nodes:
+        assert not node.persistence_dir.exists()
+        assert not node.ha_dir.exists()
+    assert (tmp_path / "keep").read_text() == "mine"
+    assert "removed" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        local.parse_args(["up", "--wipe"])
