@@ -379,10 +379,13 @@ class Monitor(threading.Thread):
             rows = self._rows()
             rate = (rows - last_rows) / max(elapsed - last_print, 1e-9) if rows >= 0 else 0
             received = self._delivered.distinct()
+            # Spark plans and starts both queries before the first micro-batch: say so, rather
+            # than print "published 0" lines that look like a stall.
+            starting = "  (Spark queries starting)" if rows <= 0 and received == 0 else ""
             say(
                 f"[{elapsed:6.1f}s] published {max(rows, 0):>10,} ({rate:>8,.0f}/s)  "
                 f"received {received:>10,}  lag {max(rows - received, 0):>8,}  "
-                f"leader {self._watch.leader:<8} changes {len(self._watch.changes)}"
+                f"leader {self._watch.leader:<8} changes {len(self._watch.changes)}{starting}"
             )
             last_print, last_rows = elapsed, max(rows, last_rows)
 
