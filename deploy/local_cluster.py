@@ -35,9 +35,15 @@ T = TypeVar("T")
 
 
 def wait_until(
-    predicate: Callable[[], T], *, timeout_s: float, interval_s: float = 0.05, message: str = ""
+    predicate: Callable[[], T],
+    *,
+    timeout_s: float,
+    interval_s: float = 0.05,
+    message: str = "",
+    fatal: tuple[type[Exception], ...] = (),
 ) -> T:
-    """Poll `predicate` until it returns a truthy value; fail the test at the deadline."""
+    """Poll `predicate` until it returns a truthy value; fail the test at the deadline. An
+    exception of a `fatal` type ends the wait at once (others are retried)."""
     deadline = time.monotonic() + timeout_s
     last_error: Exception | None = None
     while True:
@@ -45,6 +51,8 @@ def wait_until(
             value = predicate()
             if value:
                 return value
+        except fatal:
+            raise
         except Exception as error:
             last_error = error
         if time.monotonic() > deadline:

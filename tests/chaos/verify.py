@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Callable, Iterable
 from typing import Final, TypeVar
 
 import grpc
 
-from deploy.local_cluster import LocalCluster, read_stream
+from deploy.local_cluster import LocalCluster, read_stream, wait_until
 from proto import hastream_pb2 as pb
 from tests.harness import wait_replicas_settled
 
@@ -88,14 +87,23 @@ def health_problems(cluster: LocalCluster, alias: str) -> list[str]:
 def retrying(action: Callable[[], T], *, timeout_s: float, what: str) -> T:
     """`action()` until it returns without a gRPC error, up to `timeout_s` (a replica in
     doubt refuses reads with a retryable error until it repaired itself)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    refused: list[grpc.RpcError] = []
+
+    def attempt() -> tuple[T] | None:
         try:
-            return action()
+            return (action(),)
         except grpc.RpcError as error:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: {_describe(error)}") from None
-        time.sleep(0.2)
+            refused[:] = [error]
+            return None
+
+    try:
+        answer = wait_until(attempt, timeout_s=timeout_s, interval_s=0.2, fatal=(Exception,))
+    except AssertionError as timed_out:
+        if not refused or "timed out after" not in str(timed_out):
+            raise  # the action's own failure, not the deadline
+        raise AssertionError(f"{what}: {_describe(refused[-1])}") from None
+    assert answer is not None  # wait_until returns only a truthy value
+    return answer[0]
 
 
 def _describe(error: grpc.RpcError) -> str:
@@ -122,12 +130,19 @@ def wait_healthy(
         for group, table in sorted(barrier_tables.items()):
             wait_replicas_settled(cluster, table, group, timeout_s=timeout_s)
             check_alive(cluster, expected)
-        deadline = time.monotonic() + timeout_s
-        while problems := [p for alias in cluster.alive() for p in health_problems(cluster, alias)]:
+        problems: list[str] = []
+
+        def healthy() -> bool:
             check_alive(cluster, expected)
-            if time.monotonic() > deadline:
-                raise AssertionError(f"unhealthy after {timeout_s:.0f}s: {problems}")
-            time.sleep(0.2)
+            problems[:] = [p for alias in cluster.alive() for p in health_problems(cluster, alias)]
+            return not problems
+
+        try:
+            wait_until(healthy, timeout_s=timeout_s, interval_s=0.2, fatal=(NodeDied,))
+        except NodeDied:
+            raise
+        except AssertionError:
+            raise AssertionError(f"unhealthy after {timeout_s:.0f}s: {problems}") from None
     except NodeDied:
         raise
     except AssertionError as error:
