@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from api_clients import admin, transport
 from api_clients.call_policy import Action, AttemptState, decide, hedgeable, leader_named
 from api_clients.hedge import HEDGE_DELAY_S_DEFAULT, AttemptMonitor, LeaderWatch
+from api_clients.login import Login, TokenInterceptor
 from api_clients.reader import read_range
 from api_clients.retry import BACKOFF_INITIAL_S, BACKOFF_MAX_S, Backoff
 from api_clients.subscriber import Subscription, subscription_filter, subscription_handler
@@ -108,8 +109,8 @@ class Session:
     leave a silent leader once they agree on another (None: never; see `call_policy`).
     Keep it below the cluster's election timeout: the followers name the new leader only
     after an election anyway, and asking earlier costs a few cheap calls.
-    `userid`/`password` are accepted for DolphinDB compatibility; the cluster has no
-    user authentication yet, so they are not sent (and the password is not kept).
+    `userid`/`password`: log in (api_clients/login.py): the first call, or `login()`, gets
+    a token that every later call carries; a cluster with `authentication=off` accepts any.
     `tls`: connect over TLS (the nodes' `tlsCertFile`...; see hastream.tls.ClientTls); the
     files are read here, so a wrong path fails now, naming the option.
     """
@@ -128,7 +129,9 @@ class Session:
         hedge_delay_s: float | None = HEDGE_DELAY_S_DEFAULT,
         tls: ClientTls | None = None,
     ) -> None:
-        del password  # Never kept: see the class docstring.
+        if (userid is None) != (password is None):
+            raise InvalidArgument("userid/password", "give both or neither")
+        self._login = None if userid is None or password is None else Login(userid, password)
         parsed = list(dict.fromkeys(parse_site(site) for site in sites))
         if not parsed:
             raise InvalidArgument("sites", "at least one site is needed")
@@ -318,12 +321,21 @@ class Session:
                     if self._credentials is None
                     else grpc.secure_channel(site, self._credentials, self._channel_options)
                 )
-                stub = hastream_pb2_grpc.StreamTableStub(channel)
+                calls = channel
+                if self._login is not None:
+                    calls = grpc.intercept_channel(channel, TokenInterceptor(self._login, channel))
+                stub = hastream_pb2_grpc.StreamTableStub(calls)
                 self._channels[site] = channel
                 self._stubs[site] = stub
             return stub
 
     # -- calls -----------------------------------------------------------------------
+
+    def login(self) -> None:
+        """Log in now (connect() does, so a wrong password fails there, not at the first
+        call): raises Unauthenticated. A session without a userid does nothing."""
+        if self._login is not None:
+            self._login.accept(self.call("Login", self._login.request()))
 
     def call(
         self,
@@ -513,6 +525,59 @@ class Session:
         with self._lock:
             self._table_leaders.pop(tableName, None)
             self._table_groups.pop(tableName, None)
+
+    # -- users and grants (DolphinDB's names; admins only) -----------------------------
+
+    def _access(
+        self, operation: hastream_pb2.AccessRequest.Operation, userId: str, **fields: Any
+    ) -> None:
+        request = hastream_pb2.AccessRequest(operation=operation, userid=userId, **fields)
+        self.call("ManageAccess", request)
+
+    def createUser(self, userId: str, password: str, isAdmin: bool = False) -> None:
+        """A new user (UserExists if the name is taken); the password needs 8+ characters."""
+        self._access(
+            hastream_pb2.AccessRequest.CREATE_USER, userId, password=password, admin=isAdmin
+        )
+
+    def deleteUser(self, userId: str) -> None:
+        """Removes the user and its grants; its tokens stop working at once."""
+        self._access(hastream_pb2.AccessRequest.DELETE_USER, userId)
+
+    def resetPwd(self, userId: str, newPwd: str) -> None:
+        """A new password; the user's sessions must log in again."""
+        self._access(hastream_pb2.AccessRequest.RESET_PASSWORD, userId, password=newPwd)
+
+    def grant(self, userId: str, accessType: str, objs: str | Sequence[str] = "*") -> None:
+        """Grant TABLE_READ or TABLE_WRITE on tables (`objs`: one name, names, or "*")."""
+        self._rules(hastream_pb2.AccessRequest.GRANT, userId, accessType, objs)
+
+    def deny(self, userId: str, accessType: str, objs: str | Sequence[str] = "*") -> None:
+        """Deny TABLE_READ or TABLE_WRITE on tables: a denial beats any grant."""
+        self._rules(hastream_pb2.AccessRequest.DENY, userId, accessType, objs)
+
+    def revoke(self, userId: str, accessType: str, objs: str | Sequence[str] = "*") -> None:
+        """Remove the grant or denial of `accessType` on exactly these tables."""
+        self._rules(hastream_pb2.AccessRequest.REVOKE, userId, accessType, objs)
+
+    def _rules(
+        self,
+        operation: hastream_pb2.AccessRequest.Operation,
+        userId: str,
+        accessType: str,
+        objs: str | Sequence[str],
+    ) -> None:
+        for table in [objs] if isinstance(objs, str) else objs:
+            self._access(operation, userId, privilege=accessType, table=table)
+
+    def getUserAccess(self) -> list[dict[str, Any]]:
+        """Every user with its admin flag and rules (never a password hash)."""
+        reply = self.call("GetAccess", hastream_pb2.Empty())
+        users: list[dict[str, Any]] = json.loads(reply.json)["users"]
+        return users
+
+    def getUserList(self) -> list[str]:
+        return [entry["user"] for entry in self.getUserAccess()]
 
     def getTableInfo(self, tableName: str, *, deadline_s: float | None = None) -> TableInfo:
         """The table as the cluster describes it (any node answers; see `call` for a
@@ -721,12 +786,13 @@ def connect(
     """DolphinDB's `connect`: a session on `host:port`, failing over to
     `highAvailabilitySites` (`host:port[:alias]` strings; `highAvailability=False`, as in
     DolphinDB's API, uses `host:port` alone). Connects lazily: no network call happens
-    until the first request. `tls=True` (implied by any of the files):
+    until the first request, unless `userid` is given: then it logs in now, so a wrong
+    password fails here (Unauthenticated). `tls=True` (implied by any of the files):
     TLS, trusting `caFile` (default: the system's roots), presenting `certFile`/`keyFile`
     to nodes that require a client certificate."""
     sites = [f"{host}:{port}", *((highAvailabilitySites or ()) if highAvailability else ())]
     wants_tls = tls or any(path is not None for path in (caFile, certFile, keyFile))
-    return Session(
+    session = Session(
         sites,
         userid=userid,
         password=password,
@@ -734,6 +800,13 @@ def connect(
         deadline_s=deadline_s,
         tls=ClientTls(caFile, certFile, keyFile) if wants_tls else None,
     )
+    if userid is not None:
+        try:
+            session.login()
+        except BaseException:
+            session.close()
+            raise
+    return session
 
 
 def _channel_credentials(tls: ClientTls) -> grpc.ChannelCredentials:

@@ -7,6 +7,7 @@ forever: a `Backoff` runs out when its deadline passes or after `retries_max` wa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -95,9 +96,23 @@ class Backoff:
     def wait(self) -> bool:
         """Sleep before the next attempt; True if the caller may try again. Returns False at
         once when the retries are used up, and after sleeping to the deadline when it passes."""
-        if self.expired():
+        delay_s = self._take_delay()
+        if delay_s is None:
             return False
-        delay_s = min(self.next_delay_s(), self.remaining_s())
-        log.debug("backoff wait=%.3fs waits=%d", delay_s, self._waits)
         self._sleep(delay_s)
         return self.remaining_s() > 0
+
+    async def wait_async(self) -> bool:
+        """`wait` for asyncio callers: the same budget, an `asyncio.sleep`."""
+        delay_s = self._take_delay()
+        if delay_s is None:
+            return False
+        await asyncio.sleep(delay_s)
+        return self.remaining_s() > 0
+
+    def _take_delay(self) -> float | None:
+        if self.expired():
+            return None
+        delay_s = min(self.next_delay_s(), self.remaining_s())
+        log.debug("backoff wait=%.3fs waits=%d", delay_s, self._waits)
+        return delay_s

@@ -9,6 +9,7 @@ errors below, with the site and what the status said:
 |---|---|---|
 | UNAVAILABLE, CANCELLED | `SiteUnavailable(site, code, details)` | yes: another site may answer |
 | DEADLINE_EXCEEDED | `DeadlineExceeded(site, timeout_s)` | yes, and the outcome is unknown |
+| RESOURCE_EXHAUSTED "slow consumer: ..." | `SlowConsumer(reason)` | yes: resubscribe |
 | any other | `RpcFailed(site, code, details)` | no: a bug or a refusal, shown as it is |
 
 Streams add two failures of their own: `StreamBroken(site, detail)` (a stream that ended or
@@ -29,8 +30,8 @@ from typing import Any
 
 import grpc
 
-from hastream import errors
-from hastream.errors import RaftStoreError
+from hastream import errors, wire
+from hastream.errors import RaftStoreError, SlowConsumer
 
 # Transport failures after which another site may answer.
 _UNAVAILABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
@@ -170,6 +171,10 @@ def typed_error(rpc_error: grpc.RpcError, site: str, timeout_s: float | None) ->
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(site, timeout_s)
     name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(
+        wire.SLOW_CONSUMER_DETAILS_PREFIX
+    ):
+        return SlowConsumer(details)
     if code in _UNAVAILABLE_CODES:
         return SiteUnavailable(site, name, details)
     return RpcFailed(site, name, details)

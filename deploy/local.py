@@ -38,7 +38,7 @@ from typing import Any, Final
 import grpc
 
 from api_clients import Session
-from deploy import rolling
+from deploy import local_security, rolling
 from hastream.errors import ConfigError, RaftStoreError
 from proto import hastream_pb2, hastream_pb2_grpc
 from raftstore import config
@@ -309,7 +309,7 @@ def _stub(channel: grpc.Channel) -> Any:
 def query_leader(node: NodeConfig, group_id: int) -> str | None:
     """The leader (`host:port:alias`) of `group_id` as `node` sees it; None if it does
     not know one or cannot be reached within RPC_TIMEOUT_S."""
-    with grpc.insecure_channel(f"{node.host}:{node.port}") as channel:
+    with local_security.channel(node) as channel:
         try:
             request = hastream_pb2.GroupRequest(raft_group=group_id)
             reply = _stub(channel).GetStreamingLeader(request, timeout=RPC_TIMEOUT_S)
@@ -354,7 +354,7 @@ def wait_leaders(cluster: ClusterConfig, timeout_s: float = READY_TIMEOUT_S) -> 
 
 def query_status(node: NodeConfig) -> dict[str, Any] | str:
     """The node's GetNodeStatus document, or a short reason why it could not be had."""
-    with grpc.insecure_channel(f"{node.host}:{node.port}") as channel:
+    with local_security.channel(node) as channel:
         try:
             reply = _stub(channel).GetNodeStatus(hastream_pb2.Empty(), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as error:
@@ -536,7 +536,13 @@ def local_nodes(config_path: str | Path, run_dir: Path) -> LocalNodes:
 def rolling_restart(cluster: ClusterConfig, run_dir: Path) -> None:
     """Restart every node in turn, leadership handed over first (deploy/rolling.py)."""
     control = LocalNodes(cluster, run_dir)
-    with Session(rolling.sites_of(control)) as session:
+    login = local_security.admin_login(cluster)
+    with Session(
+        rolling.sites_of(control),
+        tls=local_security.client_tls(cluster),
+        userid=None if login is None else login[0],
+        password=None if login is None else login[1],
+    ) as session:
         for step in rolling.rolling_restart(session, control):
             print(rolling.describe(step), flush=True)
     print("rolling restart done")
@@ -582,6 +588,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=Path("cluster.cfg"))
     parser.add_argument("--run-dir", type=Path, default=Path(".run"), help="pid and log files")
     parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="up: plaintext, logins as the cfg says (default: TLS and logins, generated)",
+    )
+    parser.add_argument(
         "--wipe",
         action="store_true",
         help="down: also delete the nodes' data and Raft directories (every table is gone)",
@@ -589,6 +600,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.wipe and args.action != "down":
         parser.error("--wipe goes with down")
+    if args.insecure and args.action != "up":
+        parser.error("--insecure goes with up")
     if args.action in ("kill", "restart") and args.node is None:
         parser.error(f"{args.action} needs a NODE")
     args.run_dir = args.run_dir.absolute()
@@ -600,7 +613,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        cluster = config.load(args.config)
+        if args.action == "up":
+            cluster = local_security.write_effective(
+                args.config, args.run_dir, insecure=args.insecure
+            )
+            _describe_security(cluster)
+        else:
+            cluster = local_security.current_config(args.config, args.run_dir)
         aliases = [args.node] if args.node else [node.alias for node in cluster.nodes]
         for alias in aliases:
             cluster.node(alias)
@@ -610,6 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.wipe:
             down(args.run_dir, aliases, [cluster.node(alias) for alias in aliases])
+            if len(aliases) == len(cluster.nodes):  # a fresh cluster: fresh secrets too
+                local_security.forget(args.run_dir)
             return 0
         return _run(args.action, cluster, args.run_dir, aliases)
     except NodeExited as error:
@@ -618,6 +639,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DeployError, RaftStoreError) as error:
         print(f"error: {error}", file=sys.stderr)
     return 1
+
+
+def _describe_security(cluster: ClusterConfig) -> None:
+    tls = local_security.client_tls(cluster)
+    trust = "plaintext" if tls is None else f"TLS (CA {tls.ca_file})"
+    logins = "logins off"
+    if cluster.authentication:
+        where = cluster.admin_password_file
+        logins = f"logins on: user admin, password in {where}"
+    print(f"security: {trust}, {logins}; cfg {cluster.path}")
 
 
 def _run(action: str, cluster: ClusterConfig, run_dir: Path, aliases: list[str]) -> int:

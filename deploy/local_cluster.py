@@ -24,7 +24,9 @@ from typing import Any, TypeVar
 import grpc
 import pyarrow as pa
 
+from api_clients.login import Login, TokenInterceptor
 from deploy.dev_tls import DevCA
+from hastream.files import write_atomic
 from hastream.tls import ClientTls
 from proto import hastream_pb2 as pb
 from proto import hastream_pb2_grpc
@@ -99,6 +101,9 @@ class NodeExited(AssertionError):
     """A node process exited while the caller waited for it."""
 
 
+_AUTHENTICATION_OFF = "authentication=off"
+
+
 @dataclass
 class NodeProcess:
     alias: str
@@ -131,7 +136,10 @@ class LocalCluster:
     metrics_ports: dict[str, int] = field(default_factory=dict)  # enable_metrics()
     # enable_tls(): what the harness's own channels (stub) connect with
     client_tls: ClientTls | None = None
+    # enable_authentication(): the user the harness's own channels (stub) log in as
+    client_login: tuple[str, str] | None = None
     _channels: dict[str, grpc.Channel] = field(default_factory=dict)
+    _logins: dict[str, Login] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -161,6 +169,10 @@ class LocalCluster:
                 f"{alias}.raftPorts={raft}",
             ]
             self.nodes[alias] = NodeProcess(alias, port, self.root / f"{alias}.log", host=host)
+        if any(not host.startswith("127.") for host in self.hosts.values()):
+            # Off-loopback hosts (network namespaces) turn logins on by default; the
+            # harness's clients log in only after enable_authentication().
+            lines.append(_AUTHENTICATION_OFF)
         self.config_path = self.root / "cluster.cfg"
         self._config_lines = lines
         self.config_path.write_text("\n".join(lines) + "\n")
@@ -196,6 +208,17 @@ class LocalCluster:
             self.add_config_lines("tlsClientAuth=require")
         self.client_tls = ca.client("harness")
         return ca
+
+    def enable_authentication(self, admin_password: str = "harness-admin-password") -> Path:
+        """Logins on every node (authentication=on), the first admin's password in a file
+        under `root` (mode 0600); the harness's channels log in as that admin. Returns the
+        password file. Only before the nodes first start."""
+        password_file = self.root / "admin.password"
+        write_atomic(password_file, (admin_password + "\n").encode(), mode=0o600)
+        self._config_lines = [line for line in self._config_lines if line != _AUTHENTICATION_OFF]
+        self.add_config_lines("authentication=on", f"adminPasswordFile={password_file}")
+        self.client_login = ("admin", admin_password)
+        return password_file
 
     def add_config_lines(self, *lines: str) -> None:
         """Append `key=value` lines to the cluster.cfg. Only before the nodes first start."""
@@ -362,6 +385,9 @@ class LocalCluster:
                 credentials = grpc.ssl_channel_credentials(pem.ca, pem.private_key, pem.cert_chain)
                 channel = grpc.secure_channel(self.nodes[alias].site, credentials, options)
             self._channels[alias] = channel
+        if self.client_login is not None:
+            login = self._logins.setdefault(alias, Login(*self.client_login))
+            channel = grpc.intercept_channel(channel, TokenInterceptor(login, channel))
         return hastream_pb2_grpc.StreamTableStub(channel)
 
     def alias_of(self, address: str) -> str:

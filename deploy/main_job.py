@@ -1,6 +1,6 @@
 """The main job: a local three-node cluster fed and read by Spark, with a leader kill.
 
-    python -m deploy.main_job [--seconds 60] [--rows-per-batch 10000] [--keep]
+    python -m deploy.main_job [--seconds 60] [--rows-per-batch 10000] [--keep] [--insecure]
 
 1. Starts a local SparkSession and an ephemeral three-node cluster under
    `.run/main_job/<time>/` (deploy.local_cluster), and creates the HA device table
@@ -12,6 +12,10 @@
    micro-batch, writes a per-device aggregate to parquet and records every row id.
 4. Midway it kills -9 the leader of the table's group, later restarts it; both queries carry
    on by themselves.
+Secure by default: the nodes serve TLS (a development CA generated under the run
+directory) and require logins (user `admin`, its password generated into a 0600 file whose
+path is printed); the clients and both Spark queries connect with the CA and log in.
+`--insecure` runs plaintext without logins.
 5. It stops the publisher, waits for the subscriber to catch up and for its offset to be
    persisted, prints a report, and exits 1 if any row was lost or duplicated.
 A progress line is printed every two seconds. The cluster is torn down at the end, also
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 import shutil
 import signal
 import sys
@@ -37,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from deploy.local_cluster import REPO, LocalCluster
+from hastream.tls import ClientTls
 
 log = logging.getLogger("deploy.main_job")
 
@@ -125,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows-per-batch", type=int, default=10_000)
     parser.add_argument("--trigger-ms", type=int, default=500)
     parser.add_argument("--keep", action="store_true", help="keep the cluster's data dirs")
+    parser.add_argument(
+        "--insecure", action="store_true", help="plaintext, no logins (default: TLS + logins)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -159,30 +168,81 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
+@dataclass(frozen=True)
+class Security:
+    """How the clients reach the cluster: TLS trust and a login, or neither (--insecure)."""
+
+    tls: ClientTls | None = None
+    login: tuple[str, str] | None = None
+
+    @property
+    def spark_options(self) -> dict[str, str]:
+        options = {} if self.tls is None else {"caFile": str(self.tls.ca_file)}
+        if self.login is not None:
+            options.update(userid=self.login[0], password=self.login[1])
+        return options
+
+    def session(self, sites: list[str], deadline_s: float) -> Any:
+        from api_clients import Session
+
+        userid, password = self.login if self.login is not None else (None, None)
+        session = Session(
+            sites, deadline_s=deadline_s, tls=self.tls, userid=userid, password=password
+        )
+        return session
+
+
+def secure(cluster: LocalCluster, insecure: bool) -> Security:
+    """Before the nodes start: TLS with a development CA and logins with a generated admin
+    password (printed: where it is, never what it is), unless `insecure`."""
+    if insecure:
+        say("security: off (--insecure): plaintext, no logins")
+        return Security()
+    ca = cluster.enable_tls()
+    password_file = cluster.enable_authentication(secrets.token_urlsafe(18))
+    say(
+        f"security: TLS (development CA {_shown(ca.ca_file)}), logins on: user admin, "
+        f"password in {_shown(password_file)} (mode 0600)"
+    )
+    tls = ClientTls(ca_file=str(ca.ca_file))
+    return Security(tls=tls, login=("admin", password_file.read_text().strip()))
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def run(spark: Any, cluster: LocalCluster, run_dir: Path, args: argparse.Namespace) -> int:
-    from api_clients import Session
     from spark_publisher import HAStreamOffsetListener
 
+    security = secure(cluster, args.insecure)
     say("starting a three-node cluster ...")
     cluster.start()
     first_leader = cluster.leader(GROUP)
     sites = ",".join(f"127.0.0.1:{node.port}:{alias}" for alias, node in cluster.nodes.items())
-    client = Session(sites.split(","), deadline_s=10.0)
+    client = security.session(sites.split(","), deadline_s=10.0)
     client.haStreamTable(GROUP, SCHEMA, TABLE, cacheLimit=200_000, keyColumn="id")
     say(f"cluster up: leader {first_leader}; table {TABLE} created; sites {sites}")
 
     delivered = Delivered()
-    listener = HAStreamOffsetListener(sites, TABLE, ACTION, query_name="subscriber")
+    listener = HAStreamOffsetListener(
+        sites,
+        TABLE,
+        ACTION,
+        query_name="subscriber",
+        **security.spark_options,  # type: ignore[arg-type]  # str options, not the ints
+    )
     spark.streams.addListener(listener)
-    subscriber = start_subscriber(spark, sites, run_dir, delivered)
-    publisher = start_publisher(spark, sites, run_dir, args)
+    options = security.spark_options
+    subscriber = start_subscriber(spark, sites, run_dir, delivered, options)
+    publisher = start_publisher(spark, sites, run_dir, args, options)
     started = time.monotonic()
     watch = Watch(leader=first_leader)
-    monitor = Monitor(cluster, client, delivered, watch, started)
+    monitor = Monitor(cluster, security.session(client.sites, 1.0), delivered, watch, started)
     monitor.start()
     try:
         killed = drive_failover(cluster, publisher, subscriber, watch, started, args.seconds)
-        publisher = finish_publisher(spark, publisher, sites, run_dir, args)
+        publisher = finish_publisher(spark, publisher, sites, run_dir, args, options)
         publish_s = time.monotonic() - started
         failed = query_failure(publisher) or query_failure(subscriber)
         if failed:
@@ -208,7 +268,13 @@ def run(spark: Any, cluster: LocalCluster, run_dir: Path, args: argparse.Namespa
 
 
 def start_publisher(
-    spark: Any, sites: str, run_dir: Path, args: argparse.Namespace, *, available_now: bool = False
+    spark: Any,
+    sites: str,
+    run_dir: Path,
+    args: argparse.Namespace,
+    options: dict[str, str],
+    *,
+    available_now: bool = False,
 ) -> Any:
     readings = (
         spark.readStream.format("rate-micro-batch")
@@ -222,6 +288,7 @@ def start_publisher(
         .queryName("publisher")
         .option("sites", sites)
         .option("table", TABLE)
+        .options(**options)
         .option("checkpointLocation", str(run_dir / "checkpoints" / "publisher"))
     )
     if available_now:
@@ -230,7 +297,12 @@ def start_publisher(
 
 
 def finish_publisher(
-    spark: Any, publisher: Any, sites: str, run_dir: Path, args: argparse.Namespace
+    spark: Any,
+    publisher: Any,
+    sites: str,
+    run_dir: Path,
+    args: argparse.Namespace,
+    options: dict[str, str],
 ) -> Any:
     """Stops the publisher and ends its stream cleanly. `stop()` may cut a micro-batch short
     with part of its rows already appended; a restart on the same checkpoint with
@@ -243,12 +315,14 @@ def finish_publisher(
     finally:
         spark.sparkContext.setLogLevel("ERROR")
     say("publisher stopped; replaying its last micro-batch to completion (availableNow) ...")
-    finisher = start_publisher(spark, sites, run_dir, args, available_now=True)
+    finisher = start_publisher(spark, sites, run_dir, args, options, available_now=True)
     finisher.awaitTermination(timeout=CATCH_UP_TIMEOUT_S)
     return finisher
 
 
-def start_subscriber(spark: Any, sites: str, run_dir: Path, delivered: Delivered) -> Any:
+def start_subscriber(
+    spark: Any, sites: str, run_dir: Path, delivered: Delivered, options: dict[str, str]
+) -> Any:
     from pyspark.sql import functions as F
 
     aggregate_dir = str(run_dir / "device_agg")
@@ -280,6 +354,7 @@ def start_subscriber(spark: Any, sites: str, run_dir: Path, delivered: Delivered
         .option("action", ACTION)
         .option("startingOffsets", "earliest")
         .option("maxRowsPerTrigger", 100_000)
+        .options(**options)
         .load()
         .writeStream.queryName("subscriber")
         .foreachBatch(process)
@@ -354,10 +429,9 @@ class Monitor(threading.Thread):
         started: float,
     ) -> None:
         super().__init__(name="progress", daemon=True)
-        from api_clients import Session
-
-        # Its own short-deadline session: a poll must not hang through an election.
-        self._client = Session(client.sites, deadline_s=1.0)
+        # Its own short-deadline session (`client`): a poll must not hang through an
+        # election.
+        self._client = client
         self._cluster = cluster
         self._delivered = delivered
         self._watch = watch

@@ -410,6 +410,78 @@ class Unauthenticated(RaftStoreError):
         return {"reason": self.reason}
 
 
+class SlowConsumer(RaftStoreError):
+    """The node ended a subscription whose subscriber took no message for too long (its
+    streamingSlowConsumerTimeout). Retryable: resubscribing resumes from the offset the
+    subscriber has processed. (Sent as the status details, not trailing metadata: the
+    stream is cancelled under a blocked send; the client's transport rebuilds it.)"""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+    retryable = True
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+    def fields(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+
+class PermissionDenied(RaftStoreError):
+    """The logged-in user may not do what the call asks: `action` is the privilege it
+    needs (TABLE_READ, TABLE_WRITE or ADMIN), `table` the table it names ("" for none).
+    Nothing was done."""
+
+    grpc_code = "PERMISSION_DENIED"
+
+    def __init__(self, user: str, action: str, table: str = "") -> None:
+        self.user = user
+        self.action = action
+        self.table = table
+        on = f" on table {table!r}" if table else ""
+        super().__init__(f"user {user!r} lacks {action}{on}")
+
+    def fields(self) -> dict[str, Any]:
+        return {"user": self.user, "action": self.action, "table": self.table}
+
+
+class UserExists(RaftStoreError):
+    grpc_code = "ALREADY_EXISTS"
+
+    def __init__(self, user: str) -> None:
+        self.user = user
+        super().__init__(f"user {user!r} already exists")
+
+    def fields(self) -> dict[str, Any]:
+        return {"user": self.user}
+
+
+class UserNotFound(RaftStoreError):
+    grpc_code = "NOT_FOUND"
+
+    def __init__(self, user: str) -> None:
+        self.user = user
+        super().__init__(f"user {user!r} does not exist")
+
+    def fields(self) -> dict[str, Any]:
+        return {"user": self.user}
+
+
+class TooManyAccessRules(RaftStoreError):
+    """A new user, or a new grant or denial, would pass the cluster's limit (`what`:
+    "users", or "rules of <user>"). Nothing was proposed or changed."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, what: str, limit: int) -> None:
+        self.what = what
+        self.limit = limit
+        super().__init__(f"too many {what}: the limit is {limit}")
+
+    def fields(self) -> dict[str, Any]:
+        return {"what": self.what, "limit": self.limit}
+
+
 class PeerProtocolError(RaftStoreError):
     """A peer answered a catch-up fetch with something else than what was asked (a wrong
     offset, a record from after the restored state). The next peer is tried."""
@@ -455,8 +527,23 @@ _BY_NAME: Final[dict[str, type[RaftStoreError]]] = {
         PeerProtocolError,
         IncarnationDropped,
         Unauthenticated,
+        PermissionDenied,
+        SlowConsumer,
+        UserExists,
+        UserNotFound,
+        TooManyAccessRules,
     )
 }
+
+
+SHOWN_CHARS_MAX: Final = 40
+
+
+def shown(text: str) -> str:
+    """`text` as an error may echo it: at most SHOWN_CHARS_MAX characters, repr-escaped (a
+    request's string is never echoed whole, and a newline in it forges no log line)."""
+    cut = text[:SHOWN_CHARS_MAX] + ("..." if len(text) > SHOWN_CHARS_MAX else "")
+    return repr(cut)
 
 
 def to_wire(error: RaftStoreError) -> tuple[tuple[str, str], ...]:

@@ -41,11 +41,13 @@ def tmp_path(path: Path) -> Path:
     return path.with_name(path.name + TMP_SUFFIX)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     """Replace `path` with `data` so that a crash leaves the old file or the new one.
-    Returns once the new file and its directory entry are durable."""
+    Returns once the new file and its directory entry are durable. `mode` applies from the
+    first byte (a secret is never readable by others, not even for a moment)."""
     staging = tmp_path(path)
-    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    staging.unlink(missing_ok=True)  # a leftover would keep its own mode
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
         try:
             write_all(fd, data)

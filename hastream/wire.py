@@ -60,3 +60,7 @@ SUBSCRIBE_HEARTBEAT_S: Final = 1.0
 assert GRPC_MESSAGE_BYTES_MAX > BATCH_BYTES_MAX
 assert SUBSCRIBE_BATCH_BYTES_MAX < GRPC_MESSAGE_BYTES_MAX
 assert PIPELINE_IN_FLIGHT_BYTES_MAX >= 2 * BATCH_BYTES_MAX, "a stream of big batches pipelines"
+
+# The status details a node ends a slow consumer's subscription with begin with this
+# (RESOURCE_EXHAUSTED); the client turns it into a retryable SlowConsumer.
+SLOW_CONSUMER_DETAILS_PREFIX: Final = "slow consumer:"

@@ -19,8 +19,9 @@ import click
 import pyarrow as pa
 
 from api_clients import Session, Subscription, TransportError
-from deploy import local, rolling
+from deploy import local, local_security, rolling
 from deploy.docker import tool
+from deploy.docker.deployment import client_tls as docker_client_tls
 from deploy.docker.deployment import load as load_deployment
 from hastream import wire
 from hastream.errors import ConfigError, RaftStoreError, TopicNotFound
@@ -29,6 +30,8 @@ from hastream_cli import render
 
 SITES_DEFAULT: Final = "127.0.0.1:8901,127.0.0.1:8902,127.0.0.1:8903"
 CONFIG_DEFAULT: Final = "cluster.cfg"
+# What `deploy.local up` started the nodes with (TLS, logins): preferred when present.
+EFFECTIVE_CONFIG_DEFAULT: Final = ".run/cluster.cfg"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -71,10 +74,18 @@ def resolve_sites(sites: str | None, config_path: str | None) -> list[str]:
     cluster.cfg here, else 127.0.0.1:8901..8903."""
     if sites:
         return [site.strip() for site in sites.split(",") if site.strip()]
-    path = config_path or (CONFIG_DEFAULT if Path(CONFIG_DEFAULT).exists() else None)
+    path = config_path or _default_config()
     if path is None:
         return SITES_DEFAULT.split(",")
     return rolling.client_sites(path)
+
+
+def _default_config() -> str | None:
+    """`.run/cluster.cfg` (written by deploy.local up), else `./cluster.cfg`, else None."""
+    for path in (EFFECTIVE_CONFIG_DEFAULT, CONFIG_DEFAULT):
+        if Path(path).exists():
+            return path
+    return None
 
 
 def common(command: F) -> F:
@@ -132,6 +143,14 @@ def common(command: F) -> F:
     ) -> Any:
         try:
             wants_tls = tls or any(path is not None for path in (ca_file, cert_file, key_file))
+            client_tls = ClientTls(ca_file, cert_file, key_file) if wants_tls else None
+            config_path = config_path or _default_config()
+            if config_path is not None and not sites:
+                # The cluster's own cfg says how to reach it: its CA and its first admin.
+                from_config, login = local_security.client_settings(config_path)
+                client_tls = client_tls or from_config
+                if user is None and login is not None:
+                    user, password = login
             context = Context(
                 resolve_sites(sites, config_path),
                 config_path,
@@ -139,7 +158,7 @@ def common(command: F) -> F:
                 deadline_s,
                 user,
                 password,
-                ClientTls(ca_file, cert_file, key_file) if wants_tls else None,
+                client_tls,
             )
             return command(context, **kwargs)
         except ConfigError as error:
@@ -520,8 +539,18 @@ def rolling_restart(
       node1: handed over group 2 -> 127.0.0.1:8903:node3 in 24 ms; restarted and ...
     """
     control = _control(ctx, docker, run_dir, name, state_dir)
+    tls = ctx.tls
+    if docker and tls is None:  # the deployment's own CA
+        deployment = load_deployment(name, state_dir.absolute())
+        tls = None if deployment is None else docker_client_tls(deployment)
     steps = []
-    with Session(rolling.sites_of(control), deadline_s=ctx.deadline_s, tls=ctx.tls) as session:
+    with Session(
+        rolling.sites_of(control),
+        deadline_s=ctx.deadline_s,
+        tls=tls,
+        userid=ctx.user,
+        password=ctx.password,
+    ) as session:
 
         def report(step: rolling.RestartStep) -> None:
             steps.append(step)

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -285,6 +286,56 @@ class RepairTableRequest(_message.Message):
     table: str
     reason: str
     def __init__(self, raft_group: _Optional[int] = ..., table: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LoginRequest(_message.Message):
+    __slots__ = ("userid", "password")
+    USERID_FIELD_NUMBER: _ClassVar[int]
+    PASSWORD_FIELD_NUMBER: _ClassVar[int]
+    userid: str
+    password: str
+    def __init__(self, userid: _Optional[str] = ..., password: _Optional[str] = ...) -> None: ...
+
+class LoginResponse(_message.Message):
+    __slots__ = ("token", "expires_ms", "admin")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    expires_ms: int
+    admin: bool
+    def __init__(self, token: _Optional[str] = ..., expires_ms: _Optional[int] = ..., admin: _Optional[bool] = ...) -> None: ...
+
+class AccessRequest(_message.Message):
+    __slots__ = ("operation", "userid", "password", "admin", "privilege", "table")
+    class Operation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OPERATION_UNSPECIFIED: _ClassVar[AccessRequest.Operation]
+        CREATE_USER: _ClassVar[AccessRequest.Operation]
+        DELETE_USER: _ClassVar[AccessRequest.Operation]
+        RESET_PASSWORD: _ClassVar[AccessRequest.Operation]
+        GRANT: _ClassVar[AccessRequest.Operation]
+        DENY: _ClassVar[AccessRequest.Operation]
+        REVOKE: _ClassVar[AccessRequest.Operation]
+    OPERATION_UNSPECIFIED: AccessRequest.Operation
+    CREATE_USER: AccessRequest.Operation
+    DELETE_USER: AccessRequest.Operation
+    RESET_PASSWORD: AccessRequest.Operation
+    GRANT: AccessRequest.Operation
+    DENY: AccessRequest.Operation
+    REVOKE: AccessRequest.Operation
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    USERID_FIELD_NUMBER: _ClassVar[int]
+    PASSWORD_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    PRIVILEGE_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    operation: AccessRequest.Operation
+    userid: str
+    password: str
+    admin: bool
+    privilege: str
+    table: str
+    def __init__(self, operation: _Optional[_Union[AccessRequest.Operation, str]] = ..., userid: _Optional[str] = ..., password: _Optional[str] = ..., admin: _Optional[bool] = ..., privilege: _Optional[str] = ..., table: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()

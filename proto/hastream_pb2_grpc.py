@@ -139,6 +139,26 @@ class StreamTableStub:
                 request_serializer=proto_dot_hastream__pb2.RepairTableRequest.SerializeToString,
                 response_deserializer=proto_dot_hastream__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Login = channel.unary_unary(
+                '/hastream.v1.StreamTable/Login',
+                request_serializer=proto_dot_hastream__pb2.LoginRequest.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.LoginResponse.FromString,
+                _registered_method=True)
+        self.ManageAccess = channel.unary_unary(
+                '/hastream.v1.StreamTable/ManageAccess',
+                request_serializer=proto_dot_hastream__pb2.AccessRequest.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.Empty.FromString,
+                _registered_method=True)
+        self.GetAccess = channel.unary_unary(
+                '/hastream.v1.StreamTable/GetAccess',
+                request_serializer=proto_dot_hastream__pb2.Empty.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.JsonDocument.FromString,
+                _registered_method=True)
+        self.GetAccessControl = channel.unary_unary(
+                '/hastream.v1.StreamTable/GetAccessControl',
+                request_serializer=proto_dot_hastream__pb2.GroupRequest.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.JsonDocument.FromString,
+                _registered_method=True)
 
 
 class StreamTableServicer:
@@ -282,6 +302,32 @@ class StreamTableServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Login(self, request, context):
+        """Users and grants: log in (no token needed), manage them (admins), list them (admins).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ManageAccess(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAccess(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAccessControl(self, request, context):
+        """Peer-only: a node outside the catalog group reads its users and grants (with hashes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StreamTableServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -389,6 +435,26 @@ def add_StreamTableServicer_to_server(servicer, server):
                     servicer.RepairTable,
                     request_deserializer=proto_dot_hastream__pb2.RepairTableRequest.FromString,
                     response_serializer=proto_dot_hastream__pb2.Empty.SerializeToString,
+            ),
+            'Login': grpc.unary_unary_rpc_method_handler(
+                    servicer.Login,
+                    request_deserializer=proto_dot_hastream__pb2.LoginRequest.FromString,
+                    response_serializer=proto_dot_hastream__pb2.LoginResponse.SerializeToString,
+            ),
+            'ManageAccess': grpc.unary_unary_rpc_method_handler(
+                    servicer.ManageAccess,
+                    request_deserializer=proto_dot_hastream__pb2.AccessRequest.FromString,
+                    response_serializer=proto_dot_hastream__pb2.Empty.SerializeToString,
+            ),
+            'GetAccess': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAccess,
+                    request_deserializer=proto_dot_hastream__pb2.Empty.FromString,
+                    response_serializer=proto_dot_hastream__pb2.JsonDocument.SerializeToString,
+            ),
+            'GetAccessControl': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAccessControl,
+                    request_deserializer=proto_dot_hastream__pb2.GroupRequest.FromString,
+                    response_serializer=proto_dot_hastream__pb2.JsonDocument.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -958,6 +1024,114 @@ class StreamTable:
             '/hastream.v1.StreamTable/RepairTable',
             proto_dot_hastream__pb2.RepairTableRequest.SerializeToString,
             proto_dot_hastream__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Login(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hastream.v1.StreamTable/Login',
+            proto_dot_hastream__pb2.LoginRequest.SerializeToString,
+            proto_dot_hastream__pb2.LoginResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ManageAccess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hastream.v1.StreamTable/ManageAccess',
+            proto_dot_hastream__pb2.AccessRequest.SerializeToString,
+            proto_dot_hastream__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAccess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hastream.v1.StreamTable/GetAccess',
+            proto_dot_hastream__pb2.Empty.SerializeToString,
+            proto_dot_hastream__pb2.JsonDocument.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAccessControl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hastream.v1.StreamTable/GetAccessControl',
+            proto_dot_hastream__pb2.GroupRequest.SerializeToString,
+            proto_dot_hastream__pb2.JsonDocument.FromString,
             options,
             channel_credentials,
             insecure,

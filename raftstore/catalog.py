@@ -14,9 +14,15 @@ term (so no create of an earlier leader is still in flight), a claim of its grou
 table it does not hold, and that it is not creating right now, is released. A table it holds
 without a claim (written by an older version) is claimed.
 
-Threads: request threads call `create` and `drop`; the node's housekeeping thread calls
-`reconcile`. A lock per group serialises the three on the leader, so reconcile never
-releases a name whose create is between its claim and its commit.
+The catalog group also keeps the users and grants (access.py): a node that is a member reads
+them from its own replica; any other node, and a member whose copy refuses a login or a
+token, fetches the leader's and keeps it for ACCESS_CACHE_S. Changes are proposed on the
+catalog group's leader (NotLeader elsewhere, so the client follows it there).
+
+Threads: request threads call `create`, `drop` and the access calls; the node's
+housekeeping thread calls `reconcile`, its watch thread `bootstrap_admin`. A lock per group
+serialises create, drop and reconcile on the leader, so reconcile never releases a name
+whose create is between its claim and its commit.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from hastream.errors import (
     InvalidArgument,
@@ -40,6 +46,7 @@ from hastream.errors import (
 )
 from hastream.model import NodeAddress
 from raftstore import commands
+from raftstore.access import BOOTSTRAP_ADMIN, AccessControl
 from raftstore.group import Group
 from raftstore.peers import PeerClient
 from raftstore.state_machine import TableView
@@ -47,6 +54,9 @@ from raftstore.state_machine import TableView
 log = logging.getLogger(__name__)
 
 _ATTEMPTS: Final = 6
+# How long a node outside the catalog group trusts its copy of the users and grants: a
+# revoke or a password reset reaches it within this long.
+ACCESS_CACHE_S: Final = 1.0
 _RETRY_S: Final = 0.2
 
 T = TypeVar("T")
@@ -69,6 +79,8 @@ class Catalog:
         self._locks: dict[int, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self._creating: set[tuple[int, str]] = set()
+        self._access_lock = threading.Lock()
+        self._access_copy: tuple[float, AccessControl] | None = None
 
     def _lock(self, group_id: int) -> threading.Lock:
         with self._locks_lock:
@@ -239,10 +251,88 @@ class Catalog:
             raise catalog.not_leader()
         return _leader_claims(catalog)
 
+    # --- users and grants -------------------------------------------------------------
+
+    def access_control(self) -> AccessControl:
+        """The users and grants to decide a call with: this node's catalog replica's (may
+        lag the leader by a moment), else the leader's (`leader_access_control`)."""
+        if self._local is not None:
+            return self._local.applier.machine.access
+        return self.leader_access_control()
+
+    def leader_access_control(self, *, fresh: bool = False) -> AccessControl:
+        """The users and grants as the catalog group's ready leader has applied them (every
+        committed change), cached for ACCESS_CACHE_S: what a login or token that the local
+        copy refuses is checked against before it is refused (a node just restarted, or a
+        follower a moment behind, has not applied the newest user or password yet).
+        `fresh`: a copy fetched after this call began (a grant acknowledged a moment ago
+        must count). Raises NodeUnavailable or NotLeader when no leader answers."""
+        asked = time.monotonic()
+        with self._access_lock:  # one fetch at a time; the others wait for its answer
+            copy = self._access_copy
+            if copy is not None and (
+                copy[0] >= asked if fresh else time.monotonic() - copy[0] < ACCESS_CACHE_S
+            ):
+                return copy[1]
+            document = self._on_catalog_leader(
+                lambda catalog: _leader_access(catalog).to_json(),
+                lambda peer: self._peers.access_control(peer, self.group_id),
+            )
+            try:
+                access = AccessControl.from_json(document)
+            except (ValueError, TypeError, KeyError, InvalidArgument) as error:
+                reason = f"malformed access control from the leader: {error}"
+                raise NodeUnavailable(reason) from None
+            self._access_copy = (time.monotonic(), access)
+            return access
+
+    def change_access(self, command: commands.Command) -> None:
+        """Propose a PutUser, DeleteUser or SetRule on the catalog group's leader (this
+        node). Raises NotLeader (naming the leader), NodeUnavailable (this node is not a
+        member: ask another), or the command's own error (UserExists...)."""
+        catalog = self._local
+        if catalog is None:
+            raise NodeUnavailable(
+                f"this node is not in the catalog group {self.group_id}: ask one of its members"
+            )
+        catalog.require_leader()
+        catalog.propose_command(command)
+
+    def bootstrap_admin(self, password_hash: Callable[[], bytes]) -> bool:
+        """On the catalog group's ready leader of a cluster without users: propose the first
+        admin (`access.BOOTSTRAP_ADMIN`), hashing its password now. True once users exist."""
+        catalog = self._local
+        if catalog is None:
+            return False
+        if catalog.applier.machine.access.has_users():
+            return True
+        if not catalog.leads_and_ready():
+            return False
+        command = commands.PutUser(
+            BOOTSTRAP_ADMIN, password_hash(), admin=True, mode=commands.UserMode.BOOTSTRAP
+        )
+        catalog.propose_command(command)  # a no-op if another leader's came first
+        log.info("created the first admin user %r", BOOTSTRAP_ADMIN)
+        return True
+
+    def serve_access(self) -> list[dict[str, Any]]:
+        """The users and grants from the catalog group's leader only (NotLeader elsewhere)."""
+        catalog = self._require_local()
+        if not catalog.is_leader():
+            raise catalog.not_leader()
+        return _leader_access(catalog).to_json()
+
     def _require_local(self) -> Group:
         if self._local is None:
             raise UnknownGroup(self.group_id)
         return self._local
+
+
+def _leader_access(catalog: Group) -> AccessControl:
+    """The catalog leader's users and grants, once it applied everything before its term."""
+    if not catalog.leads_and_ready():
+        raise NodeUnavailable(f"catalog group {catalog.group_id} leader is not ready")
+    return catalog.applier.machine.access
 
 
 def _leader_claims(catalog: Group) -> dict[str, tuple[int, bytes]]:

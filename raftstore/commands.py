@@ -23,9 +23,14 @@ thing to a newer node:
     Noop         = (empty)
     ClaimName    = table:string | group_id:u32 | nonce:16 bytes
     ReleaseName  = table:string | group_id:u32 | nonce:16 bytes
+    PutUser      = user:string | password_hash:blob | admin:u8 (0|1) | mode:u8 (0|1|2)
+    DeleteUser   = user:string
+    SetRule      = user:string | privilege:u8 (1|2) | table:string | effect:u8 (0|1|2)
 
 ClaimName and ReleaseName are proposed only in the catalog group (the lowest configured
-group id), whose state machine holds which group owns each table name (catalog.py).
+group id), whose state machine holds which group owns each table name (catalog.py); so are
+PutUser, DeleteUser and SetRule, the users and grants (access.py). A PutUser carries a
+salted scrypt hash computed by the proposing leader, never the password.
 
 An Append is written as kind APPEND (3) when no item carries a flag, byte for byte as before
 flags existed, and as kind APPEND_FLAGGED (7) otherwise: entries written before the flag
@@ -42,7 +47,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 from hastream.errors import InvalidArgument
 
@@ -77,6 +82,32 @@ class Kind(enum.IntEnum):
     APPEND_FLAGGED = 7
     CLAIM_NAME = 8
     RELEASE_NAME = 9
+    PUT_USER = 10
+    DELETE_USER = 11
+    SET_RULE = 12
+
+
+class UserMode(enum.IntEnum):
+    """What a PutUser does (part of the log format)."""
+
+    CREATE = 0  # a new user; UserExists if the name is taken
+    RESET = 1  # a new password for an existing user; UserNotFound otherwise
+    BOOTSTRAP = 2  # the first admin: a no-op once any user exists
+
+
+class Privilege(enum.IntEnum):
+    """A per-table privilege (part of the log format)."""
+
+    TABLE_READ = 1  # subscribe, read, table info, commit and read own offsets
+    TABLE_WRITE = 2  # publish
+
+
+class RuleEffect(enum.IntEnum):
+    """What a SetRule does to (user, privilege, table) (part of the log format)."""
+
+    REVOKE = 0  # remove the grant or denial
+    GRANT = 1
+    DENY = 2  # beats any grant, including one on "*"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +182,41 @@ class ReleaseName:
     nonce: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class PutUser:
+    user: str
+    password_hash: bytes  # passwords.hash_password's encoding
+    admin: bool
+    mode: UserMode
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteUser:
+    user: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetRule:
+    """Grant, deny or revoke `privilege` on `table` ("*": every table) for `user`."""
+
+    user: str
+    privilege: Privilege
+    table: str
+    effect: RuleEffect
+
+
 Command = (
-    CreateTable | DropTable | Append | CommitOffset | RemoveOffset | Noop | ClaimName | ReleaseName
+    CreateTable
+    | DropTable
+    | Append
+    | CommitOffset
+    | RemoveOffset
+    | Noop
+    | ClaimName
+    | ReleaseName
+    | PutUser
+    | DeleteUser
+    | SetRule
 )
 
 
@@ -265,6 +329,29 @@ def encode(command: Command) -> bytes:
             return _encode_name(Kind.CLAIM_NAME, table, group_id, nonce)
         case ReleaseName(table=table, group_id=group_id, nonce=nonce):
             return _encode_name(Kind.RELEASE_NAME, table, group_id, nonce)
+        case PutUser():
+            return b"".join(
+                (
+                    _header(Kind.PUT_USER),
+                    _string(command.user),
+                    _blob_length(command.password_hash),
+                    command.password_hash,
+                    _U8.pack(1 if command.admin else 0),
+                    _U8.pack(UserMode(command.mode)),
+                )
+            )
+        case DeleteUser(user=user):
+            return _header(Kind.DELETE_USER) + _string(user)
+        case SetRule():
+            return b"".join(
+                (
+                    _header(Kind.SET_RULE),
+                    _string(command.user),
+                    _U8.pack(Privilege(command.privilege)),
+                    _string(command.table),
+                    _U8.pack(RuleEffect(command.effect)),
+                )
+            )
     raise AssertionError(f"not a command: {type(command).__name__}")
 
 
@@ -373,7 +460,29 @@ def _decode_body(kind: int, reader: _Reader) -> Command:
         if kind == Kind.CLAIM_NAME:
             return ClaimName(table, group_id, nonce)
         return ReleaseName(table, group_id, nonce)
+    if kind == Kind.PUT_USER:
+        user = reader.string("user")
+        password_hash = bytes(reader.blob())
+        admin = reader.flag("admin")
+        return PutUser(user, password_hash, admin, _enum(UserMode, reader.integer(_U8), "mode"))
+    if kind == Kind.DELETE_USER:
+        return DeleteUser(reader.string("user"))
+    if kind == Kind.SET_RULE:
+        user = reader.string("user")
+        privilege = _enum(Privilege, reader.integer(_U8), "privilege")
+        table = reader.string("table")
+        return SetRule(user, privilege, table, _enum(RuleEffect, reader.integer(_U8), "effect"))
     raise _invalid(f"unknown kind {kind}")
+
+
+E = TypeVar("E", bound=enum.IntEnum)
+
+
+def _enum(cls: type[E], value: int, field: str) -> E:
+    try:
+        return cls(value)
+    except ValueError:
+        raise _invalid(f"{field} {value} is not one of {[int(v) for v in cls]}") from None
 
 
 def decode(data: bytes | memoryview) -> Command:

@@ -28,6 +28,17 @@ of the line (there are no trailing comments, so a secret may contain `#`). Keys:
                                                       verify each other with the CA
     tlsClientAuth=none                                or `require`: clients and peers present a
                                                       certificate signed by tlsCAFile (mTLS)
+    authentication=on                                 `on`: every client call needs a login
+                                                      (users and grants, access.py); `off`:
+                                                      anyone reaching the port is admin.
+                                                      Default: on when a node binds a
+                                                      non-loopback host, else off
+    streamingSlowConsumerTimeout=30                   a subscriber that takes no message
+                                                      for this long is disconnected
+    adminPasswordFile=admin.password                  the first admin's password (user
+                                                      `admin`), read at start when the cluster
+                                                      has no user yet; or the environment
+                                                      variable HASTREAM_ADMIN_PASSWORD
 
 A node binds its gRPC and Raft ports on `host`, and its peers dial `host:port` (catch-up)
 and `host:<raft port>`. `advertisedHost:advertisedPort` is what the node is called when
@@ -68,6 +79,9 @@ KEY_DIGEST_INTERVAL: Final = "streamingDigestInterval"
 KEY_AUTO_REJOIN: Final = "streamingAutoRejoin"
 KEY_PREFERRED_LEADERS: Final = "streamingPreferredLeaders"
 KEY_TABLES_MAX: Final = "streamingTablesMax"
+KEY_AUTHENTICATION: Final = "authentication"  # on | off
+KEY_SLOW_CONSUMER_TIMEOUT: Final = "streamingSlowConsumerTimeout"
+KEY_ADMIN_PASSWORD_FILE: Final = "adminPasswordFile"
 # TLS on the client port (global or per node; all nodes or none): the node's certificate
 # and key, and the CA that signed every node's certificate (peers verify each other).
 KEY_TLS_CERT: Final = "tlsCertFile"
@@ -89,6 +103,9 @@ GLOBAL_KEYS: Final = (
     KEY_AUTO_REJOIN,
     KEY_PREFERRED_LEADERS,
     KEY_TABLES_MAX,
+    KEY_AUTHENTICATION,
+    KEY_ADMIN_PASSWORD_FILE,
+    KEY_SLOW_CONSUMER_TIMEOUT,
     *TLS_FILE_KEYS,
     KEY_TLS_CLIENT_AUTH,
 )
@@ -210,6 +227,12 @@ class ClusterConfig:
     auto_rejoin: bool = False
     # Tables per node, all groups together: one more is refused (TooManyTables).
     tables_max: int = limits.TABLES_PER_NODE_MAX
+    # Every client call needs a login token (auth.py).
+    authentication: bool = False
+    # The first admin's password (read by the node when the cluster has no user yet).
+    admin_password_file: Path | None = None
+    # A subscriber that takes no message for this long is disconnected (slow_consumers.py).
+    slow_consumer_timeout_s: float = limits.SLOW_CONSUMER_S
 
     def node(self, alias: str) -> NodeConfig:
         """The node named `alias`; raises ConfigError if the cfg does not declare it."""
@@ -290,6 +313,9 @@ def parse(text: str, path: Path) -> ClusterConfig:
         digest_interval_s=_parse_digest_interval(where, global_values),
         auto_rejoin=_parse_bool(where, KEY_AUTO_REJOIN, global_values, default=False),
         tables_max=_parse_tables_max(where, global_values),
+        authentication=_parse_authentication(where, global_values, nodes),
+        admin_password_file=_parse_admin_password_file(where, path.parent, global_values),
+        slow_consumer_timeout_s=_parse_slow_consumer_timeout(where, global_values),
     )
 
 
@@ -309,7 +335,12 @@ def render(cluster: ClusterConfig) -> str:
         f"{KEY_DIGEST_INTERVAL}={cluster.digest_interval_s!r}",
         f"{KEY_AUTO_REJOIN}={'true' if cluster.auto_rejoin else 'false'}",
         f"{KEY_TABLES_MAX}={cluster.tables_max}",
+        f"{KEY_AUTHENTICATION}={'on' if cluster.authentication else 'off'}",
+        f"{KEY_SLOW_CONSUMER_TIMEOUT}={cluster.slow_consumer_timeout_s!r}",
     ]
+    if cluster.admin_password_file is not None:
+        path = _renderable(str(cluster.admin_password_file))
+        lines.append(f"{KEY_ADMIN_PASSWORD_FILE}={path}")
     preferred = [g for g in cluster.groups if g.preferred_leader is not None]
     if preferred:
         items = ",".join(f"{g.group_id}:{g.preferred_leader}" for g in preferred)
@@ -495,6 +526,14 @@ def _parse_digest_interval(where: str, global_values: dict[str, str]) -> float:
     return seconds
 
 
+def _parse_slow_consumer_timeout(where: str, global_values: dict[str, str]) -> float:
+    key = KEY_SLOW_CONSUMER_TIMEOUT
+    seconds = _parse_seconds(where, key, global_values, limits.SLOW_CONSUMER_S)
+    if not 0.0 < seconds <= 3600.0:
+        raise ConfigError(where, key, global_values[key], "must be > 0 and <= 3600 seconds")
+    return seconds
+
+
 def _parse_tables_max(where: str, global_values: dict[str, str]) -> int:
     text = global_values.get(KEY_TABLES_MAX)
     if text is None:
@@ -505,6 +544,30 @@ def _parse_tables_max(where: str, global_values: dict[str, str]) -> int:
             where, KEY_TABLES_MAX, text, f"must be >= 1 and <= {limits.TABLES_PER_NODE_MAX}"
         )
     return value
+
+
+def _parse_authentication(
+    where: str, global_values: dict[str, str], nodes: tuple[NodeConfig, ...]
+) -> bool:
+    """On unless set `off`; by default off only when every node binds loopback (a
+    development cluster nobody else can reach)."""
+    text = global_values.get(KEY_AUTHENTICATION)
+    if text is None:
+        return any(not _is_loopback(node.host) for node in nodes)
+    if text not in ("on", "off"):
+        raise ConfigError(where, KEY_AUTHENTICATION, text, "must be on or off")
+    return text == "on"
+
+
+def _parse_admin_password_file(
+    where: str, base: Path, global_values: dict[str, str]
+) -> Path | None:
+    text = global_values.get(KEY_ADMIN_PASSWORD_FILE)
+    if text is None:
+        return None
+    if not text:
+        raise ConfigError(where, KEY_ADMIN_PASSWORD_FILE, text, "must name a file")
+    return Path(os.path.abspath(base / text))
 
 
 def _parse_bool(where: str, key: str, global_values: dict[str, str], *, default: bool) -> bool:

@@ -138,3 +138,21 @@ TOPICS_PER_GROUP_MAX: Final = 10_000
 STREAMS_PER_CONNECTION_MAX: Final = 100
 UNARY_WORKERS: Final = 60
 assert STREAMS_PER_CONNECTION_MAX <= STREAMS_MAX
+
+# Access control (access.py, auth.py): users and their rules live in the catalog group's
+# state and checkpoint, so both are bounded; a login costs one scrypt (~50 ms of a core),
+# so only a few run at once (Overloaded beyond).
+USER_NAME_CHARS_MAX: Final = 64
+USERS_MAX: Final = 1_000
+RULES_PER_USER_MAX: Final = 1_000
+LOGINS_CONCURRENT_MAX: Final = 2
+TOKEN_TTL_S: Final = 12 * 3600
+TOKEN_CHARS_MAX: Final = 256
+
+# A subscription whose current message has waited this long for the subscriber to take it
+# is ended (RESOURCE_EXHAUSTED "slow consumer"); cluster.cfg streamingSlowConsumerTimeout.
+SLOW_CONSUMER_S: Final = 30.0
+
+# A Raft listener that pysyncobj closed (an accept failed: EMFILE) is bound again this often
+# until it works (pysyncobj_patches._rebind_if_closed).
+RAFT_REBIND_S: Final = 0.5

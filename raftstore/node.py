@@ -27,10 +27,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from hastream.errors import UnknownGroup
+from hastream.errors import RaftStoreError, UnknownGroup
 from hastream.model import LOCAL_GROUP, NodeAddress
-from raftstore import identity, limits, node_tls
+from raftstore import identity, limits, node_tls, passwords
 from raftstore.apply import REPAIR_DIR, Applier, ApplierSettings
+from raftstore.auth import Authenticator, Tokens, bootstrap_password, token_key
 from raftstore.batcher import Batcher
 from raftstore.catalog import Catalog
 from raftstore.catch_up import Repairer
@@ -46,6 +47,7 @@ from raftstore.replication import RaftReplica, RaftSettings
 from raftstore.retention import Retention
 from raftstore.scrub import Scrubber
 from raftstore.service import start_server
+from raftstore.slow_consumers import SlowConsumers
 from raftstore.stats import subscriber_lag
 from raftstore.status_http import StatusServer
 from raftstore.storage.files import REAL_FILES, ensure_dir, raise_fd_soft_limit
@@ -81,6 +83,20 @@ class Node:
         self._groups: dict[int, Group] = {}
         key = peer_key(cluster.raft_secret)
         self.peer_verifier = PeerVerifier(key)
+        self.authenticator = Authenticator(
+            enabled=cluster.authentication,
+            tokens=Tokens(token_key(cluster.raft_secret)),
+            access=lambda: self.catalog.access_control(),
+            leader_access=lambda: self.catalog.leader_access_control(fresh=True),
+            peers=self.peer_verifier,
+        )
+        self.slow_consumers = SlowConsumers(cluster.slow_consumer_timeout_s)
+        # The first admin's password, while the cluster may have no user (None after).
+        self._admin_password = (
+            bootstrap_password(cluster.admin_password_file, os.environ)
+            if cluster.authentication
+            else None
+        )
         tls = self.config.tls
         self._tls_pem = None if tls is None else node_tls.load(tls, str(cluster.path))
         self._peers = PeerClient(
@@ -150,6 +166,7 @@ class Node:
         self._start_status_server()
         self._start_thread(self._housekeeping, "housekeeping")
         self._start_thread(self._watch, "watch")
+        self.slow_consumers.start(self._stopping)
         if self._scrubber is not None:
             scrubber = self._scrubber
             self._start_thread(lambda: scrubber.run(self._stopping), "scrub")
@@ -314,6 +331,18 @@ class Node:
             if group_id != LOCAL_GROUP
         )
 
+    def _bootstrap_admin(self) -> None:
+        """Create the first admin once this node leads the catalog group of a cluster
+        without users (access.py: a no-op if another leader's came first)."""
+        password = self._admin_password
+        if password is None:
+            return
+        try:
+            if self.catalog.bootstrap_admin(lambda: passwords.hash_password(password)):
+                self._admin_password = None  # users exist: never needed again
+        except RaftStoreError as error:
+            log.warning("creating the first admin failed (retried): %s", error)
+
     def _watch(self) -> None:  # the node's watch loop: runs until stop()
         """Keep the gRPC health status current; ask for preferred leaderships back."""
         serving: bool | None = None
@@ -329,6 +358,7 @@ class Node:
                 for service in HEALTH_SERVICES:
                     self._health.set(service, status)
                 log.info("health serving=%s", serving)
+            self._bootstrap_admin()
             try:
                 self._preferred.check(self.groups())
             except Exception:  # the watch must outlive one bad round; logged

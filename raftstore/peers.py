@@ -3,6 +3,7 @@ catalog of table names (claims go to the catalog group's leader)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -123,6 +124,21 @@ class PeerClient:
             raise _typed(peer, error) from None
         return {claim.table: (claim.raft_group, claim.nonce) for claim in reply.claims}
 
+    def access_control(self, peer: NodeAddress, catalog_group: int) -> list[dict[str, Any]]:
+        """The users and grants as `peer` (a catalog member) has applied them (access.py's
+        `to_json`, hashes included: peer calls are signed and may be encrypted)."""
+        request = hastream_pb2.GroupRequest(raft_group=catalog_group)
+        try:
+            reply = self._stub(peer).GetAccessControl(
+                request,
+                metadata=self._signer.metadata("GetAccessControl"),
+                timeout=_CATALOG_TIMEOUT_S,
+            )
+        except grpc.RpcError as error:
+            raise _typed(peer, error) from None
+        document: list[dict[str, Any]] = json.loads(reply.json)
+        return document
+
     def table_digest(
         self, peer: NodeAddress, group_id: int, table: str, offset_from: int, offset_to: int
     ) -> TableDigest:
@@ -163,7 +179,11 @@ class PeerClient:
             raft_group=group_id, to_node=to_alias, timeout_s=timeout_s
         )
         try:
-            reply = self._stub(peer).TransferLeadership(request, timeout=timeout_s + 5.0)
+            reply = self._stub(peer).TransferLeadership(
+                request,
+                metadata=self._signer.metadata("TransferLeadership"),
+                timeout=timeout_s + 5.0,
+            )
         except grpc.RpcError as error:
             raise _typed(peer, error) from None
         return str(reply.leader)

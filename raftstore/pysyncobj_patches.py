@@ -39,6 +39,7 @@ from typing import Any, Final
 import pysyncobj.pickle as pysyncobj_pickle
 import pysyncobj.syncobj as pysyncobj_syncobj
 import pysyncobj.tcp_connection as pysyncobj_tcp_connection
+import pysyncobj.tcp_server as pysyncobj_tcp_server
 import pysyncobj.transport as pysyncobj_transport
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -97,6 +98,9 @@ _MODULE_NAMES: Final = (
     (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processRead"),
     (pysyncobj_transport.TCPTransport, "_onNewIncomingConnection"),
     (pysyncobj_transport.TCPTransport, "_onTick"),
+    (pysyncobj_tcp_server.TcpServer, "_TcpServer__onNewConnection"),
+    (pysyncobj_tcp_server.TcpServer, "bind"),
+    (pysyncobj_tcp_server, "SERVER_STATE"),
 )
 
 _installed = False
@@ -331,9 +335,38 @@ def _incoming_connection(self: Any, connection: Any) -> None:
 
 
 def _transport_tick(self: Any) -> None:
+    _rebind_if_closed(self)
     _original_transport_tick(self)
     if self._unknownConnections:
         _drop_stale_handshakes(self)
+
+
+_listener_refusals = OncePerInterval()
+
+
+def _rebind_if_closed(transport: Any) -> None:
+    """pysyncobj closes its listening socket for good when an accept fails with anything
+    but EAGAIN (EMFILE: the node is out of file descriptors) and never binds it again: the
+    node could then never take a peer's connection. Bind it again, every RAFT_REBIND_S,
+    until it works (the transport stays `ready`: pysyncobj stops Raft altogether while its
+    transport is not)."""
+    server = transport._server
+    if not transport._ready or server is None:
+        return
+    if server._TcpServer__state != pysyncobj_tcp_server.SERVER_STATE.UNBINDED:
+        return
+    now = pysyncobj_tcp_connection.monotonicTime()
+    if now < getattr(transport, "_hastream_rebind_at", 0.0):
+        return
+    transport._hastream_rebind_at = now + limits.RAFT_REBIND_S
+    try:
+        server.bind()
+    except OSError as error:
+        events = _listener_refusals.due()
+        if events is not None:
+            log.warning("raft listener is closed; binding it again failed: %s", error)
+        return
+    log.warning("raft listener was closed (an accept failed); bound it again")
 
 
 def _drop_stale_handshakes(transport: Any) -> None:

@@ -23,19 +23,22 @@ from hastream.errors import (
     InvalidArgument,
     OffsetOutOfRange,
     RaftStoreError,
+    ReplicaInDoubt,
     TableExists,
     TableNotFound,
     TooManyTables,
     TopicNotFound,
     Unauthenticated,
     UnknownGroup,
+    shown,
     to_wire,
 )
 from hastream.model import LOCAL_GROUP, topic_name
 from proto import hastream_pb2 as pb
 from proto import hastream_pb2_grpc
-from raftstore import commands, limits, routing
+from raftstore import access, commands, limits, passwords, routing
 from raftstore.admission import StreamSlots
+from raftstore.auth import Authenticator, Principal
 from raftstore.catalog import Catalog
 from raftstore.config import ClusterConfig
 from raftstore.digest import table_digest
@@ -43,6 +46,7 @@ from raftstore.group import Group
 from raftstore.log_limits import OncePerInterval
 from raftstore.peer_auth import PeerVerifier
 from raftstore.pipeline import PublishStream, StreamedPublish
+from raftstore.slow_consumers import SlowConsumers
 from raftstore.state_machine import ItemResult, TableView
 from raftstore.subscriptions import follow, resolve_start
 from raftstore.tables import RowSlice, TableStore
@@ -59,6 +63,8 @@ class NodeView(Protocol):
     catalog: Catalog
     cluster: ClusterConfig
     peer_verifier: PeerVerifier
+    authenticator: Authenticator
+    slow_consumers: SlowConsumers
 
     def groups(self) -> list[Group]: ...
 
@@ -138,13 +144,17 @@ def _log_refusal(peer: str, refused: Unauthenticated) -> None:
 
 
 def _action_name(text: str) -> str:
-    """A subscriber's action name (default "default"): bounded, and without the topic
-    separator. Raises InvalidArgument (a prefix of the name is echoed, never all of it)."""
+    """A subscriber's action name (default "default"): bounded, without the topic separator
+    and without control characters (it is logged: a newline would forge log lines).
+    Raises InvalidArgument (a prefix of the name is echoed, escaped, never all of it)."""
     action = text or "default"
     size = len(action.encode())
-    if size > limits.ACTION_NAME_BYTES_MAX or "/" in action:
-        shown = action[:40] + ("..." if len(action) > 40 else "")
-        reason = f"{shown!r} ({size} bytes): want 1..{limits.ACTION_NAME_BYTES_MAX} bytes, no '/'"
+    controls = any(ord(char) < 0x20 or ord(char) == 0x7F for char in action)
+    if size > limits.ACTION_NAME_BYTES_MAX or "/" in action or controls:
+        reason = (
+            f"{shown(action)} ({size} bytes): want 1..{limits.ACTION_NAME_BYTES_MAX} bytes, "
+            "no '/', no control characters"
+        )
         raise InvalidArgument("action_name", reason)
     return action
 
@@ -219,18 +229,46 @@ def _streamed_publishes(messages: Iterator[pb.PublishBatch]) -> Iterator[list[St
 @contextlib.contextmanager
 def _reporting_damage(group: Group, store: TableStore) -> Iterator[None]:
     """A read that finds damage reports it, so the applier moves the table aside and
-    repairs it; the reader gets the CorruptionError (DATA_LOSS) and retries elsewhere."""
+    repairs it from a peer. The reader is answered as any reader of a replica in doubt is:
+    ReplicaInDoubt, retryable, so clients route around it (to a healthy replica), never a
+    DATA_LOSS for rows the cluster still holds."""
     try:
         yield
     except CorruptionError as error:
         group.applier.report_damage(store.meta.table, store.meta.created_lsn, error.detail)
-        raise
+        reason = f"damage found in {store.meta.table} ({error}); repairing from a peer"
+        raise ReplicaInDoubt(group.group_id, "repairing", reason) from error
+
+
+def _subscription(
+    group: Group, store: TableStore, position: int, rows_max: int, context: Any
+) -> Iterator[pb.RowBatch]:
+    with _reporting_damage(group, store):
+        for slices in follow(group, store, position, rows_max, context.is_active):
+            if not slices:  # a heartbeat: no rows, the table's current length
+                yield pb.RowBatch(row_count=0, table_row_count=store.row_count)
+                continue
+            yield from _messages(slices, store.row_count)
 
 
 class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     def __init__(self, node: NodeView) -> None:
         self._node = node
         self._streams = StreamSlots()
+
+    # --- who calls (auth.py) ---
+
+    def _principal(self, context: grpc.ServicerContext, method: str) -> Principal:
+        return self._node.authenticator.principal(method, context.invocation_metadata())
+
+    def _require(
+        self, context: grpc.ServicerContext, method: str, privilege: commands.Privilege, table: str
+    ) -> Principal:
+        metadata = context.invocation_metadata()
+        return self._node.authenticator.require(method, metadata, privilege, table)
+
+    def _require_admin(self, context: grpc.ServicerContext, method: str) -> None:
+        self._node.authenticator.require_admin(method, context.invocation_metadata())
 
     # --- routing ---
 
@@ -259,6 +297,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def HaStreamTable(self, request: pb.CreateTableRequest, context: Any) -> pb.TableInfo:
+        self._require_admin(context, "HaStreamTable")
         group = self._node.group(request.raft_group)
         groups = self._node.groups()
         for other in groups:
@@ -283,6 +322,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def DropStreamTable(self, request: pb.DropTableRequest, context: Any) -> pb.DropTableResponse:
+        self._require_admin(context, "DropStreamTable")
         group = self._group_of(request.table, leader_only=True)
         if group.group_id == LOCAL_GROUP:
             group.drop_table(request.table, force=request.force)
@@ -292,6 +332,14 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def GetTableInfo(self, request: pb.TableRequest, context: Any) -> pb.TableInfo:
+        # A writer learns the schema of what it may write (a Publisher asks first).
+        self._node.authenticator.require(
+            "GetTableInfo",
+            context.invocation_metadata(),
+            commands.Privilege.TABLE_READ,
+            request.table,
+            or_also=commands.Privilege.TABLE_WRITE,
+        )
         group = self._group_of(request.table)
         return self._table_info(group, group.table_view(request.table))
 
@@ -299,6 +347,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
+        self._require(context, "Publish", commands.Privilege.TABLE_WRITE, request.table)
         if request.producer_id and len(request.producer_id) != 16:
             raise InvalidArgument("producer_id", "must be empty or exactly 16 bytes")
         item = commands.AppendItem(
@@ -314,9 +363,16 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     def PublishStream(
         self, request_iterator: Iterator[pb.PublishBatch], context: Any
     ) -> Iterator[pb.PublishAcks]:
+        principal = self._principal(context, "PublishStream")
+        authenticator = self._node.authenticator
+
+        def route(table: str) -> Group:
+            authenticator.check(principal, commands.Privilege.TABLE_WRITE, table)
+            return self._group_of(table, leader_only=True)
+
         stream = PublishStream(
             _streamed_publishes(request_iterator),
-            route=lambda table: self._group_of(table, leader_only=True),
+            route=route,
             is_active=context.is_active,
         )
         try:
@@ -329,6 +385,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @streaming
     def Subscribe(self, request: pb.SubscribeRequest, context: Any) -> Iterator[pb.RowBatch]:
+        self._require(context, "Subscribe", commands.Privilege.TABLE_READ, request.table)
         action = _action_name(request.action_name)
         group = self._group_of(request.table, leader_only=True)
         group.require_leader()
@@ -340,18 +397,15 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         log.info("subscription opened topic=%s offset=%d", topic, position)
         try:
             rows_max = _rows_max(view, request.batch_rows)
-            with _reporting_damage(group, store):
-                for slices in follow(group, store, position, rows_max, context.is_active):
-                    if not slices:  # a heartbeat: no rows, the table's current length
-                        yield pb.RowBatch(row_count=0, table_row_count=store.row_count)
-                        continue
-                    yield from _messages(slices, store.row_count)
+            messages = _subscription(group, store, position, rows_max, context)
+            yield from self._node.slow_consumers.watched(context, messages)
         finally:
             group.subscriber_closed(topic)
             log.info("subscription closed topic=%s", topic)
 
     @streaming
     def Read(self, request: pb.ReadRequest, context: Any) -> Iterator[pb.RowBatch]:
+        self._require(context, "Read", commands.Privilege.TABLE_READ, request.table)
         group = self._group_of(request.table)
         store = group.store(request.table)
         view = group.table_view(request.table)
@@ -396,6 +450,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def CommitOffset(self, request: pb.CommitOffsetRequest, context: Any) -> pb.TopicOffset:
+        self._require(context, "CommitOffset", commands.Privilege.TABLE_READ, request.table)
         topic = topic_name(request.table, _action_name(request.action_name))
         self._group_of(request.table, leader_only=True).commit_offset(topic, request.offset)
         return pb.TopicOffset(topic=topic, offset=request.offset)
@@ -408,6 +463,8 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def GetTopicProcessedOffset(self, request: pb.TopicRequest, context: Any) -> pb.TopicOffset:
+        table = request.topic.rpartition("/")[0]
+        self._require(context, "GetTopicProcessedOffset", commands.Privilege.TABLE_READ, table)
         offset = self._topic_group(request.topic).topic_offset(request.topic)
         if offset is None:
             raise TopicNotFound(request.topic)
@@ -415,6 +472,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def RemoveTopicOffset(self, request: pb.TopicRequest, context: Any) -> pb.TopicOffset:
+        self._require_admin(context, "RemoveTopicOffset")
         group = self._topic_group(request.topic)
         offset = group.topic_offset(request.topic)
         group.remove_offset(request.topic)
@@ -424,6 +482,8 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def GetStreamingLeader(self, request: pb.GroupRequest, context: Any) -> pb.LeaderInfo:
+        # No login needed: who leads is operational status (as GetNodeStatus and the
+        # metrics port), which health checks and operators' tools read without a user.
         if request.raft_group == LOCAL_GROUP:
             raise UnknownGroup(request.raft_group)
         leader = self._node.group(request.raft_group).leader()
@@ -433,6 +493,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def GetStreamingRaftGroups(self, request: pb.Empty, context: Any) -> pb.RaftGroups:
+        self._principal(context, "GetStreamingRaftGroups")
         raft_groups = [g for g in self._node.groups() if g.group_id != LOCAL_GROUP]
         tables = routing.one_group_per_name(
             {group.group_id: group.table_names() for group in raft_groups},
@@ -453,12 +514,14 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def GetStreamingStat(self, request: pb.Empty, context: Any) -> pb.JsonDocument:
+        self._principal(context, "GetStreamingStat")
         return pb.JsonDocument(json=json.dumps(self._node.streaming_stat()))
 
     @unary
     def TransferLeadership(
         self, request: pb.TransferLeadershipRequest, context: Any
     ) -> pb.LeaderInfo:
+        self._require_admin(context, "TransferLeadership")
         if request.raft_group == LOCAL_GROUP:
             raise UnknownGroup(request.raft_group)
         group = self._node.group(request.raft_group)
@@ -528,14 +591,86 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @unary
     def GetNodeStatus(self, request: pb.Empty, context: Any) -> pb.JsonDocument:
+        # No login needed (see GetStreamingLeader): roles, indexes, health, no table data.
         document = {
             "alias": self._node.alias,
             "ready": self._node.ready(),
             "groups": self._node.group_statuses(),
             "streams_open": self._streams.open,
+            "slow_consumers_disconnected": self._node.slow_consumers.disconnected,
             **self._node.housekeeping_status(),
         }
         return pb.JsonDocument(json=json.dumps(document))
+
+    # --- users and grants ---
+
+    @unary
+    def Login(self, request: pb.LoginRequest, context: Any) -> pb.LoginResponse:
+        authenticator = self._node.authenticator
+        if not authenticator.enabled:  # authentication=off: everyone acts as an admin
+            return pb.LoginResponse(token="", expires_ms=0, admin=True)
+        token, expires_ms, admin = authenticator.login(request.userid, request.password)
+        return pb.LoginResponse(token=token, expires_ms=expires_ms, admin=admin)
+
+    @unary
+    def ManageAccess(self, request: pb.AccessRequest, context: Any) -> pb.Empty:
+        self._require_admin(context, "ManageAccess")
+        command = _access_command(request)
+        self._node.catalog.change_access(command)
+        log.info(
+            "access changed operation=%s user=%s",
+            pb.AccessRequest.Operation.Name(request.operation),
+            request.userid,
+        )
+        return pb.Empty()
+
+    @unary
+    def GetAccess(self, request: pb.Empty, context: Any) -> pb.JsonDocument:
+        self._require_admin(context, "GetAccess")
+        users = self._node.catalog.access_control().describe()
+        document = {"authentication": self._node.authenticator.enabled, "users": users}
+        return pb.JsonDocument(json=json.dumps(document))
+
+    @unary
+    @peer_only
+    def GetAccessControl(self, request: pb.GroupRequest, context: Any) -> pb.JsonDocument:
+        return pb.JsonDocument(json=json.dumps(self._node.catalog.serve_access()))
+
+
+_RULE_EFFECTS: Final = {
+    pb.AccessRequest.GRANT: commands.RuleEffect.GRANT,
+    pb.AccessRequest.DENY: commands.RuleEffect.DENY,
+    pb.AccessRequest.REVOKE: commands.RuleEffect.REVOKE,
+}
+# A password an admin sets for a user: at least this long.
+PASSWORD_CHARS_MIN: Final = 8
+
+
+def _access_command(request: pb.AccessRequest) -> commands.Command:
+    """The catalog command of an access request; the password is hashed here (the log only
+    ever holds the hash). Raises InvalidArgument naming the bad field."""
+    user = access.check_user_name(request.userid)
+    operation = request.operation
+    if operation in (pb.AccessRequest.CREATE_USER, pb.AccessRequest.RESET_PASSWORD):
+        passwords.check_password(request.password, chars_min=PASSWORD_CHARS_MIN)
+        mode = (
+            commands.UserMode.CREATE
+            if operation == pb.AccessRequest.CREATE_USER
+            else commands.UserMode.RESET
+        )
+        password_hash = passwords.hash_password(request.password)
+        return commands.PutUser(user, password_hash, request.admin, mode)
+    if operation == pb.AccessRequest.DELETE_USER:
+        return commands.DeleteUser(user)
+    effect = _RULE_EFFECTS.get(operation)
+    if effect is None:
+        raise InvalidArgument("operation", f"unknown access operation {operation}")
+    try:
+        privilege = commands.Privilege[request.privilege]
+    except KeyError:
+        names = [p.name for p in commands.Privilege]
+        raise InvalidArgument("privilege", f"{request.privilege!r}: want one of {names}") from None
+    return commands.SetRule(user, privilege, access.check_rule_table(request.table), effect)
 
 
 # Every stream holds a worker while it lasts: the streams' share plus the unary calls'.

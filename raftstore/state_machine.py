@@ -39,6 +39,7 @@ from hastream.errors import (
     TopicNotFound,
 )
 from raftstore import limits
+from raftstore.access import AccessControl
 from raftstore.commands import (
     Append,
     AppendItem,
@@ -46,10 +47,13 @@ from raftstore.commands import (
     Command,
     CommitOffset,
     CreateTable,
+    DeleteUser,
     DropTable,
     Noop,
+    PutUser,
     ReleaseName,
     RemoveOffset,
+    SetRule,
 )
 from raftstore.dedup import KeyWindow, ProducerRecord, ProducerWindow
 
@@ -434,6 +438,8 @@ class GroupStateMachine:
         # The catalog (used in the catalog group only): table name -> (owning group, nonce
         # of the claim).
         self._names: dict[str, tuple[int, bytes]] = {}
+        # Users and grants (the catalog group only; access.py).
+        self.access = AccessControl()
 
     @property
     def group_id(self) -> int:
@@ -528,6 +534,12 @@ class GroupStateMachine:
                 result = self._apply_claim(lsn, command)
             case ReleaseName():
                 result = self._apply_release(lsn, command)
+            case PutUser():
+                result = CommandResult(lsn, self.access.apply_put_user(lsn, command))
+            case DeleteUser():
+                result = CommandResult(lsn, self.access.apply_delete_user(command))
+            case SetRule():
+                result = CommandResult(lsn, self.access.apply_set_rule(command))
             case _:
                 raise AssertionError(f"not a command: {type(command).__name__}")
         self._lsn_applied = lsn
@@ -726,6 +738,7 @@ class GroupStateMachine:
                 table: [group_id, nonce.hex()]
                 for table, (group_id, nonce) in sorted(self._names.items())
             },
+            "users": self.access.to_json(),
         }
         return json.dumps(document, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
@@ -765,6 +778,7 @@ class GroupStateMachine:
             str(table): (_integer(group_id), bytes.fromhex(nonce))
             for table, (group_id, nonce) in document.get("names", {}).items()
         }
+        self.access = AccessControl.from_json(document.get("users", []))
 
     def _load_table(self, entry: dict[str, Any]) -> None:
         schema_ipc = base64.b64decode(entry["schema_ipc"], validate=True)

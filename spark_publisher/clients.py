@@ -24,15 +24,22 @@ from hastream.tls import ClientTls
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_sessions: dict[tuple[int, tuple[str, ...], float, ClientTls | None], Session] = {}
+_SessionKey = tuple[int, tuple[str, ...], float, ClientTls | None, tuple[str, str] | None]
+_sessions: dict[_SessionKey, Session] = {}
 # Sessions are cheap (no I/O until used) but hold channels: bound them per process.
 SESSIONS_MAX: Final = 64
 
 
-def session(sites: tuple[str, ...], timeout_s: float, tls: ClientTls | None = None) -> Session:
-    """The calling process's session over `sites` (over TLS with `tls`); a whole call with
-    its retries is bounded by `timeout_s`. Thread-safe."""
-    key = (os.getpid(), sites, timeout_s, tls)
+def session(
+    sites: tuple[str, ...],
+    timeout_s: float,
+    tls: ClientTls | None = None,
+    login: tuple[str, str] | None = None,
+) -> Session:
+    """The calling process's session over `sites` (over TLS with `tls`, logged in as
+    `login`'s (userid, password)); a whole call with its retries is bounded by `timeout_s`.
+    Thread-safe."""
+    key = (os.getpid(), sites, timeout_s, tls, login)
     with _lock:
         cached = _sessions.get(key)
         if cached is not None:
@@ -44,6 +51,8 @@ def session(sites: tuple[str, ...], timeout_s: float, tls: ClientTls | None = No
             timeout_s=min(ATTEMPT_TIMEOUT_S_DEFAULT, timeout_s),
             deadline_s=timeout_s,
             tls=tls,
+            userid=None if login is None else login[0],
+            password=None if login is None else login[1],
         )
         _sessions[key] = created
         log.debug("new session pid=%d sites=%s", key[0], ",".join(sites))

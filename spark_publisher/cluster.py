@@ -30,7 +30,7 @@ def table_info(options: HAStreamOptions, *, fresh: bool = False) -> TableInfo:
     With `fresh`, the count is asked of the group's leader (falling back to any node during
     an election), so a read planned right after an acknowledged write sees that write.
     """
-    client = clients.session(options.sites, options.timeout_s, options.tls)
+    client = clients.session(options.sites, options.timeout_s, options.tls, options.login)
     info = client.getTableInfo(options.table)
     if not fresh:
         return info
@@ -43,5 +43,5 @@ def table_info(options: HAStreamOptions, *, fresh: bool = False) -> TableInfo:
 def commit_offset(options: HAStreamOptions, offset: int, timeout_s: float) -> None:
     """Persists `offset` (the last processed row) as the action's offset, through Raft on
     the table's leader. Raises the cluster's typed errors."""
-    client = clients.session(options.sites, options.timeout_s, options.tls)
+    client = clients.session(options.sites, options.timeout_s, options.tls, options.login)
     client.commit_offset(options.table, options.action, offset, deadline_s=timeout_s)

@@ -51,10 +51,12 @@ class HAStreamOffsetListener(StreamingQueryListener):
         timeout_s: float = PLANNING_TIMEOUT_S,
         **tls_options: str,
     ) -> None:
-        """`tls_options`: the source's TLS options (`tls`, `caFile`, `certFile`,
-        `keyFile`), so the offsets are stored over the same kind of connection."""
+        """`tls_options`: the source's TLS and login options (`tls`, `caFile`, `certFile`,
+        `keyFile`, `userid`, `password`), so the offsets are stored over the same kind of
+        connection, as the same user."""
         super().__init__()
-        unknown = sorted(set(tls_options) - {"tls", "caFile", "certFile", "keyFile"})
+        known = {"tls", "caFile", "certFile", "keyFile", "userid", "password"}
+        unknown = sorted(set(tls_options) - known)
         if unknown:
             raise TypeError(f"unexpected keyword arguments: {', '.join(unknown)}")
         self._options = parse(

@@ -9,12 +9,15 @@ and ship the packages to the executors (docs/spark.md).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,6 +39,32 @@ def prepare_environment() -> None:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+
+
+def _quiet_accumulator_disconnects() -> None:
+    """A Python worker that Spark stops mid-task (a streaming query stopped during a
+    micro-batch) closes its accumulator connection without a word; PySpark's accumulator
+    server reads that as EOFError and socketserver prints the whole traceback to stderr in
+    the middle of a healthy run. Log that one case at DEBUG; anything else is printed."""
+    from pyspark import accumulators
+
+    servers: list[Any] = [accumulators.AccumulatorTCPServer]
+    unix_server = getattr(accumulators, "AccumulatorUnixServer", None)
+    if unix_server is not None:
+        servers.append(unix_server)
+    for server in servers:
+        if getattr(server, "_hastream_quiet", False):
+            continue
+        original = server.handle_error
+
+        def handle_error(self: Any, request: Any, address: Any, original: Any = original) -> None:
+            if isinstance(sys.exc_info()[1], EOFError):
+                log.debug("a Python worker closed its accumulator connection early %s", address)
+                return
+            original(self, request, address)
+
+        server.handle_error = handle_error
+        server._hastream_quiet = True
 
 
 def local_spark(
@@ -63,6 +92,7 @@ def local_spark(
     )
     for key, value in (conf or {}).items():
         builder = builder.config(key, value)
+    _quiet_accumulator_disconnects()
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     import spark_publisher

@@ -19,7 +19,7 @@ import difflib
 import enum
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from hastream import wire
@@ -58,6 +58,8 @@ KNOWN_OPTIONS: Final = (
     "caFile",
     "certFile",
     "keyFile",
+    "userid",
+    "password",
 )
 # Spark's Kafka connector's names for the same meaning (a Kafka job's options carry over).
 ALIASES: Final[dict[str, str]] = {
@@ -123,6 +125,8 @@ class HAStreamOptions:
     timeout_s: float
     idempotency_token: str | None  # Batch writes: a stable job id, so a re-run is deduplicated.
     tls: ClientTls | None = None  # tls=true, or any of caFile/certFile/keyFile
+    # userid and password: every task's session logs in (a cluster with authentication=on).
+    login: tuple[str, str] | None = field(default=None, repr=False)
 
     @property
     def topic(self) -> str:
@@ -156,7 +160,17 @@ def parse(options: Mapping[str, str]) -> HAStreamOptions:
         timeout_s=_timeout(values.get("timeoutsec")),
         idempotency_token=_token(values.get("idempotencytoken")),
         tls=_tls(values),
+        login=_login(values),
     )
+
+
+def _login(values: Mapping[str, str]) -> tuple[str, str] | None:
+    userid, password = values.get("userid"), values.get("password")
+    if userid is None and password is None:
+        return None
+    if not userid or password is None:
+        raise OptionError("userid/password", None, "give both (or neither)")
+    return userid, password
 
 
 def _tls(values: Mapping[str, str]) -> ClientTls | None:

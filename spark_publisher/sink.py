@@ -55,9 +55,19 @@ class PublishReport(WriterCommitMessage):
     last_offset: int  # -1 when nothing was appended.
 
 
-def _check_table(options: HAStreamOptions, schema_: StructType, *, overwrite: bool) -> None:
-    """Runs on the driver before any task: refuse overwrite, an unknown table, or columns
-    that do not fit the table."""
+def _check_table(
+    options: HAStreamOptions, schema_: StructType, *, overwrite: bool, streaming: bool = False
+) -> None:
+    """Runs on the driver before any task: refuse overwrite (a batch write's
+    mode('overwrite'), a stream's outputMode('complete')), an unknown table, or columns that
+    do not fit the table."""
+    if overwrite and streaming:
+        raise OptionError(
+            "outputMode",
+            "complete",
+            "HA stream tables are append-only: use outputMode('append') (or 'update' without "
+            "an aggregation); a complete result table would be appended again every trigger",
+        )
     if overwrite:
         raise OptionError(
             "mode", "overwrite", "HA stream tables are append-only: use mode('append')"
@@ -100,7 +110,7 @@ class _TaskPublisher:
         self._partition = partition
         # Learns the group's leader too, so publishes go straight to it.
         self._table_schema = table_info(options, fresh=True).schema
-        self._client = clients.session(options.sites, options.timeout_s, options.tls)
+        self._client = clients.session(options.sites, options.timeout_s, options.tls, options.login)
         self._publisher = self._new_publisher(first_sequence=1)
         self.rows = self.appended = self.duplicates = self.replayed = 0
         self.first_offset = self.last_offset = -1
@@ -219,7 +229,7 @@ class HAStreamStreamWriter(DataSourceStreamArrowWriter):
     def create(
         cls, options: HAStreamOptions, schema_: StructType, *, overwrite: bool
     ) -> HAStreamStreamWriter:
-        _check_table(options, schema_, overwrite=overwrite)
+        _check_table(options, schema_, overwrite=overwrite, streaming=True)
         return cls(options)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PublishReport:

@@ -145,7 +145,7 @@ def resolve_start(options: HAStreamOptions, info: TableInfo, default: Position) 
 
 
 def _persisted_start(options: HAStreamOptions, info: TableInfo) -> int:
-    client = clients.session(options.sites, options.timeout_s, options.tls)
+    client = clients.session(options.sites, options.timeout_s, options.tls, options.login)
     try:
         return client.getTopicProcessedOffset(options.topic) + 1
     except TopicNotFound:
@@ -159,7 +159,7 @@ def read_rows(
     """The rows `[start, end)` as RecordBatches of exactly `target`, read from any replica
     (the client fails over and resumes a broken stream). Raises DataLossError when rows of
     the range are no longer retained."""
-    client = clients.session(options.sites, options.timeout_s, options.tls)
+    client = clients.session(options.sites, options.timeout_s, options.tls, options.login)
     position = start
     while position < end:  # Bounded: every turn advances by a chunk or raises.
         stop = min(end, position + READ_CHUNK_ROWS)

@@ -350,7 +350,7 @@ def test_parse_site_drops_alias_and_refuses_garbage() -> None:
 
 
 def test_connect_puts_the_named_node_first_then_the_ha_sites() -> None:
-    session = connect("h1", 1, "admin", "secret", highAvailabilitySites=["h2:2:n2", "h1:1"])
+    session = connect("h1", 1, highAvailabilitySites=["h2:2:n2", "h1:1"])
     assert session.sites == ["h1:1", "h2:2"]
     session.close()
     single = connect("h1", 1, highAvailability=False, highAvailabilitySites=["h2:2"])

@@ -630,3 +630,27 @@ def test_a_short_secret_is_refused_when_a_node_is_reachable_from_elsewhere(host:
     assert "tiny" not in str(raised.value)  # the secret is never echoed
     long_secret = cfg(streamingRaftSecret="x" * 16).replace("n2.host=127.0.0.1", f"n2.host={host}")
     assert config.parse(long_secret, CFG_PATH).node("n2").host == host
+
+
+# --- authentication ----------------------------------------------------------------------
+
+
+def test_logins_are_off_on_loopback_and_on_beyond_it_by_default() -> None:
+    assert not config.parse(cfg(), CFG_PATH).authentication
+    exposed = cfg(n1__host="10.0.0.5", streamingRaftSecret="x" * 24)
+    assert config.parse(exposed, CFG_PATH).authentication
+    explicit = cfg(n1__host="10.0.0.5", streamingRaftSecret="x" * 24, authentication="off")
+    assert not config.parse(explicit, CFG_PATH).authentication
+    assert config.parse(cfg(authentication="on"), CFG_PATH).authentication
+
+
+def test_authentication_takes_on_or_off_only() -> None:
+    error = refused(cfg(authentication="yes"))
+    assert (error.key, error.value) == ("authentication", "yes")
+
+
+def test_admin_password_file_resolves_against_the_cfg_directory() -> None:
+    parsed = config.parse(cfg(adminPasswordFile="secrets/admin.password"), CFG_PATH)
+    assert parsed.admin_password_file == CFG_PATH.parent / "secrets/admin.password"
+    assert config.parse(config.render(parsed), CFG_PATH) == parsed
+    assert refused(cfg(adminPasswordFile="")).key == "adminPasswordFile"

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pytest
 
 from api_clients import Publisher, Session, connect
+from api_clients.login import Login, TokenInterceptor
 from deploy import rolling
 from deploy.docker import deployment as plans
 from deploy.docker import images, tool
@@ -124,7 +125,9 @@ def plain_session(deployment: Deployment, *, first: str | None = None) -> Sessio
     first = first or deployment.aliases[0]
     host, port = deployment.site(first).rsplit(":", 1)
     others = [deployment.site(alias) for alias in deployment.aliases if alias != first]
-    return connect(host, int(port), highAvailabilitySites=others)
+    ca_file = plans.client_tls(deployment).ca_file
+    userid, password = plans.admin_login(deployment)
+    return connect(host, int(port), userid, password, highAvailabilitySites=others, caFile=ca_file)
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -194,11 +197,15 @@ class BackgroundPublisher:
 
 
 def stub(deployment: Deployment, alias: str) -> tuple[grpc.Channel, Any]:
-    channel = grpc.insecure_channel(
+    ca = (plans.tls_dir(deployment) / "ca.pem").read_bytes()
+    channel = grpc.secure_channel(
         deployment.site(alias),
+        grpc.ssl_channel_credentials(ca),
         options=[("grpc.max_receive_message_length", 64 << 20)],
     )
-    return channel, hastream_pb2_grpc.StreamTableStub(channel)  # type: ignore[no-untyped-call]
+    login = Login(*plans.admin_login(deployment))
+    calls = grpc.intercept_channel(channel, TokenInterceptor(login, channel))
+    return channel, hastream_pb2_grpc.StreamTableStub(calls)  # type: ignore[no-untyped-call]
 
 
 def read_ids(deployment: Deployment, alias: str, table: str) -> list[int]:
@@ -268,20 +275,26 @@ from proto import hastream_pb2 as pb, hastream_pb2_grpc as rpc
 from hastream import errors
 port, group, table = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 cut_at, deadline_s = float(sys.argv[4]), float(sys.argv[5])
-stub = rpc.StreamTableStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+ca = open("/etc/hastream/tls/ca.pem", "rb").read()  # the deployment's CA, mounted
+stub = rpc.StreamTableStub(
+    grpc.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca))
+)
+password = open("/etc/hastream/admin.password").read().strip()  # mounted too
+token = stub.Login(pb.LoginRequest(userid="admin", password=password), timeout=10).token
+login = (("hastream-token", token),)
 schema = pa.schema([("id", pa.int64()), ("ts", pa.timestamp("ms")), ("value", pa.float64())])
 def role():
-    document = json.loads(stub.GetNodeStatus(pb.Empty(), timeout=3).json)
+    document = json.loads(stub.GetNodeStatus(pb.Empty(), timeout=3, metadata=login).json)
     return next(g["role"] for g in document["groups"] if g["raft_group"] == group)
 def rows():
-    return stub.GetTableInfo(pb.TableRequest(table=table), timeout=3).row_count
+    return stub.GetTableInfo(pb.TableRequest(table=table), timeout=3, metadata=login).row_count
 def publish(row_id):
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, schema) as writer:
         writer.write_table(pa.table({"id": [row_id], "ts": [0], "value": [0.0]}, schema=schema))
     try:
         stub.Publish(pb.PublishRequest(table=table, payload=sink.getvalue().to_pybytes()),
-                     timeout=20)
+                     timeout=20, metadata=login)
         return "accepted"
     except grpc.RpcError as error:
         typed = errors.from_wire(dict(error.trailing_metadata() or ()))
@@ -348,6 +361,29 @@ def test_generated_cluster_cfg_is_accepted_by_the_node_parser(tmp_path: Path) ->
     assert advertised == plans.sites(planned)
     assert plans.load("unit", tmp_path) == planned
     assert planned.config_path.parent.stat().st_mode & 0o077 == 0  # it holds the secret
+    # TLS on every node, with certificates generated beside it; the CA key is never mounted.
+    assert all(node.tls is not None for node in cluster.nodes)
+    mounted = [path.name for path in plans.tls_files(planned, "node1")]
+    assert mounted == ["ca.pem", "node1.pem", "node1.key"]
+    assert all((plans.tls_dir(planned) / name).exists() for name in mounted)
+
+
+@pytest.mark.unit
+def test_logins_are_on_with_a_generated_admin_password(tmp_path: Path) -> None:
+    planned = plans.plan(
+        None, name="logins", state_root=tmp_path, ports=[18921, 18922, 18923], subnet="10.9.6.0/24"
+    )
+    plans.save(planned)
+    cluster = config.load(planned.config_path)
+    assert cluster.authentication
+    assert str(cluster.admin_password_file) == plans.ADMIN_PASSWORD_IN_CONTAINER
+    password_file = plans.admin_password_path(planned)
+    # Private on this machine (its directory is 0700); the containers' node user reads it.
+    assert password_file.parent.stat().st_mode & 0o077 == 0
+    assert len(password_file.read_text().strip()) >= 16
+    mounts = tool._admin_password_mount(planned)
+    assert list(mounts.values()) == [{"bind": plans.ADMIN_PASSWORD_IN_CONTAINER, "mode": "ro"}]
+    assert plans.admin_login(planned) == ("admin", password_file.read_text().strip())
 
 
 @pytest.mark.unit
@@ -399,7 +435,9 @@ def test_publish_through_published_ports_reaches_every_replica(deployment: Deplo
     # A plain session that knows ONE follower's published site: every write it makes is
     # refused with NotLeader, and it can only succeed by following the hint.
     host, port = deployment.site(follower).rsplit(":", 1)
-    with connect(host, int(port)) as session:
+    userid, password = plans.admin_login(deployment)
+    ca_file = plans.client_tls(deployment).ca_file
+    with connect(host, int(port), userid, password, caFile=ca_file) as session:
         create_table(session, table)
         publisher = Publisher(session, table)
         acked: list[int] = []

@@ -188,10 +188,11 @@ def test_the_client_and_shared_packages_import_the_project_at_module_level_only(
 # (files), the shell pieces, the shell (applier, replicas, group), coordination over groups,
 # the RPC servicer, the node (composition root).
 NODE_LAYERS: dict[str, int] = {
-    **dict.fromkeys(("limits", "health", "config", "stats", "log_limits"), 0),
+    **dict.fromkeys(("limits", "health", "config", "stats", "log_limits", "passwords"), 0),
     **dict.fromkeys(
         ("commands", "dedup", "state_machine", "storage/format", "storage/group_checkpoint"), 1
     ),
+    **dict.fromkeys(("access",), 1),
     **dict.fromkeys(
         ("storage/files", "storage/checkpoint", "storage/journal", "storage/segments"), 2
     ),
@@ -199,7 +200,7 @@ NODE_LAYERS: dict[str, int] = {
     **dict.fromkeys(("pysyncobj_patches", "peer_auth", "node_tls"), 3),
     **dict.fromkeys(("apply", "identity", "local_replica", "replication", "group"), 4),
     **dict.fromkeys(("subscriptions", "pipeline", "routing", "catalog", "scrub", "digest"), 5),
-    **dict.fromkeys(("admission",), 5),
+    **dict.fromkeys(("admission", "auth", "slow_consumers"), 5),
     **dict.fromkeys(("leadership", "metrics", "status_page"), 5),
     **dict.fromkeys(("service", "status_http"), 6),
     **dict.fromkeys(("node", "__main__"), 7),

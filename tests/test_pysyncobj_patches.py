@@ -3,12 +3,15 @@ and the link timeouts have their own files: test_peer_auth.py, test_peer_links.p
 
 from __future__ import annotations
 
+import errno
 import socket
+import time
 from pathlib import Path
 
 import pysyncobj.pickle as pysyncobj_pickle
 import pysyncobj.syncobj as pysyncobj_syncobj
 import pysyncobj.tcp_connection as pysyncobj_tcp_connection
+import pysyncobj.tcp_server as pysyncobj_tcp_server
 import pysyncobj.transport as pysyncobj_transport
 import pytest
 from pysyncobj import SyncObj, SyncObjConf
@@ -93,3 +96,46 @@ def test_the_journal_adapter_maps_pysyncobj_calls_onto_the_durable_journal(
     assert [entry[1] for entry in reopened[:]] == [2, 3]
     assert reopened.term == 4
     reopened.close()
+
+
+class _AcceptFails:
+    """The listening socket, but its next accept fails as with no file descriptor left."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._socket = sock
+
+    def accept(self) -> tuple[socket.socket, object]:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._socket, name)
+
+
+def test_a_raft_listener_closed_by_a_failed_accept_is_bound_again(tmp_path: Path) -> None:
+    pysyncobj_patches.install()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    conf = SyncObjConf(autoTick=False, journalFile=str(tmp_path / "journal"))
+    member = SyncObj(f"127.0.0.1:{port}", [], conf=conf)
+    try:
+        transport = member._SyncObj__transport
+        deadline = time.monotonic() + 10
+        while not transport.ready and time.monotonic() < deadline:
+            member.doTick(0.05)
+        server = transport._server
+        server._TcpServer__socket = _AcceptFails(server._TcpServer__socket)
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            member.doTick(0.2)  # pysyncobj's accept fails: it closes its listener
+        assert server._TcpServer__state == pysyncobj_tcp_server.SERVER_STATE.UNBINDED
+        with socket.socket() as refused:
+            assert refused.connect_ex(("127.0.0.1", port)) != 0
+        deadline = time.monotonic() + 5
+        while server._TcpServer__state != pysyncobj_tcp_server.SERVER_STATE.BINDED:
+            assert time.monotonic() < deadline, "the listener was not bound again"
+            member.doTick(0.05)
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            member.doTick(0.05)  # accepted: the node takes peers' links again
+        assert transport.ready
+    finally:
+        member.destroy()

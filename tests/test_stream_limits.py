@@ -14,12 +14,14 @@ import grpc
 import pyarrow as pa
 import pytest
 
-from hastream.errors import Overloaded, TooManyTopics
+from api_clients.transport import typed_error
+from hastream.errors import Overloaded, SlowConsumer, TooManyTopics
 from proto import hastream_pb2 as pb
 from proto import hastream_pb2_grpc
 from raftstore import limits
 from raftstore.admission import StreamSlots
-from tests.harness import AckedPublisher, LocalCluster, wait_until
+from raftstore.slow_consumers import SlowConsumers
+from tests.harness import AckedPublisher, LocalCluster, ipc_stream, wait_until
 from tests.shell import Shell, raises
 
 SCHEMA = pa.schema([("id", pa.int64()), ("ts", pa.timestamp("ms")), ("sym", pa.string())])
@@ -151,7 +153,8 @@ def test_oversized_action_names_are_refused_and_change_nothing(cluster: LocalClu
     leader = cluster.leader()
     stub = cluster.stub(leader)
     before = cluster.group_status(leader, 2)["commit_index"]
-    for action in ("x" * 60_000, "a/b"):
+    # Too long, the topic separator, a forged log line.
+    for action in ("x" * 60_000, "a/b", "ok\n2026-11-24 INFO raftstore.node forged line"):
         with pytest.raises(grpc.RpcError) as refused:
             stub.CommitOffset(
                 pb.CommitOffsetRequest(table="held", action_name=action, offset=1), timeout=10
@@ -164,3 +167,114 @@ def test_oversized_action_names_are_refused_and_change_nothing(cluster: LocalClu
             next(stub.Subscribe(pb.SubscribeRequest(table="held", action_name=action)))
         assert _error(refused.value)[0] == "InvalidArgument"
     assert cluster.group_status(leader, 2)["commit_index"] == before
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.cancelled = 0
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def cancel(self) -> None:
+        self.cancelled += 1
+
+
+@pytest.mark.unit
+def test_a_send_waiting_past_the_timeout_cancels_its_stream_once() -> None:
+    now = [0.0]
+    consumers = SlowConsumers(5.0, clock=lambda: now[0])
+    context = _Context()
+    stream = consumers.watched(context, iter(["a", "b"]))  # type: ignore[arg-type]
+    assert next(stream) == "a"  # "a" is being sent until the next step
+    now[0] = 4.0
+    consumers.check()
+    assert context.cancelled == 0
+    now[0] = 6.0
+    consumers.check()
+    consumers.check()
+    assert (context.cancelled, consumers.disconnected) == (1, 1)
+    assert next(stream) == "b"  # a later send starts its own clock
+    now[0] = 8.0
+    consumers.check()
+    assert context.cancelled == 1
+
+
+STALLED_SUBSCRIBERS = 50
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+@pytest.mark.cluster
+def test_subscribers_that_read_nothing_are_disconnected_and_cost_bounded_memory(
+    tmp_path: Path,
+) -> None:
+    """50 subscribers that never read while 1 MB publishes go on: publishes keep flowing,
+    the leader's memory stays bounded (gRPC flow control: one message and the windows per
+    stream), and each subscriber is ended with a SlowConsumer its client can act on."""
+    cluster = LocalCluster(tmp_path / "cluster", extra_config=("streamingSlowConsumerTimeout=2",))
+    cluster.start()
+    try:
+        cluster.create_table("flood", SCHEMA)
+        leader = cluster.leader()
+        site = cluster.nodes[leader].site
+        rss_before = _rss_mib(cluster.pid(leader))
+        separate = [("grpc.use_local_subchannel_pool", 1)]  # a connection each
+        channels = [
+            grpc.insecure_channel(site, options=separate) for _ in range(STALLED_SUBSCRIBERS)
+        ]
+        stalled = [
+            hastream_pb2_grpc.StreamTableStub(channel).Subscribe(
+                pb.SubscribeRequest(table="flood", action_name=f"stalled{index}", offset=0)
+            )
+            for index, channel in enumerate(channels)
+        ]
+        wait_until(
+            lambda: cluster.status(leader)["streams_open"] >= STALLED_SUBSCRIBERS,
+            timeout_s=30,
+            message="every stalled subscription open",
+        )
+        rows = pa.table(
+            {
+                "id": pa.array(range(1000), pa.int64()),
+                "ts": pa.array([0] * 1000, pa.timestamp("ms")),
+                "sym": ["x" * 1000] * 1000,
+            },
+            schema=SCHEMA,
+        )
+        request = pb.PublishRequest(table="flood", payload=ipc_stream(rows))
+        published = 0
+        rss_peak = rss_before
+
+        def all_disconnected() -> bool:
+            nonlocal published, rss_peak
+            # Publishes keep flowing while no subscriber reads (1 MB each).
+            cluster.stub(leader).Publish(request, timeout=15)
+            published += 1
+            rss_peak = max(rss_peak, _rss_mib(cluster.pid(leader)))
+            disconnected = cluster.status(leader)["slow_consumers_disconnected"]
+            return bool(disconnected >= STALLED_SUBSCRIBERS)
+
+        wait_until(all_disconnected, timeout_s=120, message="every slow consumer disconnected")
+        assert published >= 5
+        assert rss_peak - rss_before < 600, (rss_before, rss_peak)
+        ended = 0
+        for call in stalled:
+            with pytest.raises(grpc.RpcError) as error:
+                for _ in call:
+                    pass
+            typed = typed_error(error.value, site, None)
+            assert isinstance(typed, SlowConsumer), typed
+            assert typed.retryable  # its subscriber resubscribes from its offset
+            ended += 1
+        assert ended == STALLED_SUBSCRIBERS
+        for channel in channels:
+            channel.close()
+        wait_until(lambda: cluster.status(leader)["streams_open"] == 0, timeout_s=10)
+    finally:
+        cluster.stop()

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hastream.errors import ConfigError
 from proto import hastream_pb2, hastream_pb2_grpc
 from raftstore import config
+from raftstore.config import NodeConfig
 
 CONFIG_DEFAULT: Final = "/etc/hastream/cluster.cfg"
 RPC_TIMEOUT_S: Final = 2.0
@@ -41,9 +42,19 @@ def local_target(host: str, port: int) -> str:
     return f"127.0.0.1:{port}" if address == "0.0.0.0" else f"{address}:{port}"
 
 
-def leaders(target: str, group_ids: tuple[int, ...]) -> dict[int, str]:
+def _channel(target: str, node: NodeConfig) -> grpc.Channel:
+    """To the node's client port, over TLS when it serves TLS (its own CA: the target is
+    loopback, which its development certificate names)."""
+    if node.tls is None:
+        return grpc.insecure_channel(target)
+    credentials = grpc.ssl_channel_credentials(node.tls.ca_file.read_bytes())
+    return grpc.secure_channel(target, credentials)
+
+
+def leaders(target: str, node: NodeConfig) -> dict[int, str]:
     """group id -> leader (`host:port:alias`, "" while unknown) as the node sees it."""
-    with grpc.insecure_channel(target) as channel:
+    group_ids = node.group_ids
+    with _channel(target, node) as channel:
         stub = hastream_pb2_grpc.StreamTableStub(channel)
         found = {}
         for group_id in group_ids:
@@ -52,9 +63,9 @@ def leaders(target: str, group_ids: tuple[int, ...]) -> dict[int, str]:
         return found
 
 
-def serving_status(target: str) -> str:
+def serving_status(target: str, node: NodeConfig) -> str:
     """The node's grpc.health.v1 status for the whole server ("" service)."""
-    with grpc.insecure_channel(target) as channel:
+    with _channel(target, node) as channel:
         request = health_pb2.HealthCheckRequest(service="")
         reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=RPC_TIMEOUT_S)
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
@@ -72,11 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNHEALTHY
     target = local_target(node.host, node.port)
     try:
-        status = serving_status(target)
-        found = leaders(target, node.group_ids)
+        status = serving_status(target, node)
+        found = leaders(target, node)
     except grpc.RpcError as error:
         code = error.code().name if isinstance(error, grpc.Call) else "error"
         print(f"unhealthy: {target} does not answer ({code})")
+        return EXIT_UNHEALTHY
+    except OSError as error:  # the CA file
+        print(f"unhealthy: {error}")
         return EXIT_UNHEALTHY
     text = " ".join(f"group {group}: {leader or 'none'}" for group, leader in found.items())
     if status == "SERVING":

@@ -60,19 +60,26 @@ from deploy import rolling
 from deploy.docker import images
 from deploy.docker.base_image import BASE_TAG_DEFAULT
 from deploy.docker.deployment import (
+    ADMIN_PASSWORD_IN_CONTAINER,
     CONFIG_IN_CONTAINER,
     DATA_ROOT_IN_CONTAINER,
     NAME_DEFAULT,
     STATE_DIR_DEFAULT,
+    TLS_IN_CONTAINER,
     DeployError,
     Deployment,
     NodeExited,
     NodeSpec,
+    admin_login,
+    admin_password_path,
+    client_tls,
     ensure_config,
     load,
     plan,
     save,
     sites,
+    tls_dir,
+    tls_files,
 )
 from deploy.docker.images import NODE_TAG_DEFAULT
 from hastream.errors import ConfigError, RaftStoreError
@@ -155,6 +162,19 @@ def _extra_hosts(deployment: Deployment, node: NodeSpec) -> dict[str, str]:
     }
 
 
+def _admin_password_mount(deployment: Deployment) -> dict[str, dict[str, str]]:
+    path = admin_password_path(deployment)
+    return {str(path.resolve()): {"bind": ADMIN_PASSWORD_IN_CONTAINER, "mode": "ro"}}
+
+
+def admin_session(deployment: Deployment, sites: list[str]) -> Session:
+    """A session on `sites`, over TLS, logged in as the first admin."""
+    userid, password = admin_login(deployment)
+    session = Session(sites, userid=userid, password=password, tls=client_tls(deployment))
+    session.login()
+    return session
+
+
 def create_container(client: Any, deployment: Deployment, node: NodeSpec) -> Any:
     from docker.types import EndpointConfig, LogConfig
 
@@ -173,6 +193,11 @@ def create_container(client: Any, deployment: Deployment, node: NodeSpec) -> Any
                 "mode": "rw",
             },
             str(deployment.config_path.resolve()): {"bind": CONFIG_IN_CONTAINER, "mode": "ro"},
+            **_admin_password_mount(deployment),
+            **{
+                str(path.resolve()): {"bind": f"{TLS_IN_CONTAINER}/{path.name}", "mode": "ro"}
+                for path in tls_files(deployment, node.alias)
+            },
         },
         extra_hosts=_extra_hosts(deployment, node),
         network=deployment.network,
@@ -224,7 +249,9 @@ def wait_until(
 
 def _call(deployment: Deployment, alias: str, method: str, request: Any) -> Any | None:
     """One unary call to node `alias` through its published port; None if it fails."""
-    with grpc.insecure_channel(deployment.site(alias)) as channel:
+    ca = (tls_dir(deployment) / "ca.pem").read_bytes()
+    credentials = grpc.ssl_channel_credentials(ca)
+    with grpc.secure_channel(deployment.site(alias), credentials) as channel:
         stub = hastream_pb2_grpc.StreamTableStub(channel)
         try:
             return getattr(stub, method)(request, timeout=RPC_TIMEOUT_S)
@@ -417,7 +444,7 @@ class DockerNodes:
 def rolling_restart(client: Any, deployment: Deployment) -> None:
     """Restart every node in turn, leadership handed over first (deploy/rolling.py)."""
     control = DockerNodes(client, deployment)
-    with Session(rolling.sites_of(control)) as session:
+    with admin_session(deployment, rolling.sites_of(control)) as session:
         try:
             for step in rolling.rolling_restart(session, control):
                 print(rolling.describe(step), flush=True)

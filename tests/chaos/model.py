@@ -253,6 +253,9 @@ def check_committed_offset(
 READ_ERRORS_ALLOWED: Final = frozenset(
     {
         "StatusCode.UNAVAILABLE",
+        # A node stopping (SIGTERM) cancels the streams in flight; the client's transport
+        # takes CANCELLED as SiteUnavailable and reads elsewhere.
+        "StatusCode.CANCELLED",
         "StatusCode.DEADLINE_EXCEEDED",
         "NodeUnavailable",
         "ReplicaInDoubt",

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 SUBSCRIBER_CATCH_UP_S: Final = 60.0
 NODE_READY_S: Final = 60.0
+HOLD_POLL_S: Final = 0.1
+HOLD_SLACK_S: Final = 10.0
 
 
 @dataclass
@@ -123,8 +125,22 @@ class Scenario:
             self.thaw(alias)
 
     def hold(self, seconds: float) -> None:
-        """Keep a fault in place for `seconds` (a fault's duration, not a synchronisation)."""
-        time.sleep(seconds)
+        """Keep a fault in place for `seconds` (a fault's duration, not a synchronisation),
+        watching meanwhile that every node the scenario keeps up stays up: one that dies is
+        reported at once (NodeDied), not after the fault."""
+        end = time.monotonic() + seconds
+
+        def held() -> bool:
+            self.check_alive()
+            return time.monotonic() >= end
+
+        wait_until(
+            held,
+            timeout_s=seconds + HOLD_SLACK_S,
+            interval_s=HOLD_POLL_S,
+            message=f"a fault held for {seconds:.1f}s",
+            fatal=(verify.NodeDied,),
+        )
 
     def leader(self, group: int) -> str:
         return self.cluster.leader(group, timeout_s=60)

@@ -427,3 +427,37 @@ def test_rerun_of_a_batch_write_with_the_same_token_appends_nothing(
     assert rows() == 30_000
     write("job-2")  # Another job appends its own rows.
     assert rows() == 60_000
+
+
+def test_a_stream_in_complete_mode_is_refused_naming_the_output_mode(
+    spark: Any, spark_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    sites = sites_of(spark_cluster)
+    before = spark_cluster.row_count(spark_cluster.leader(), "warmup")
+    counts = (
+        spark.readStream.format("rate-micro-batch")
+        .option("rowsPerBatch", 10)
+        .load()
+        .selectExpr("value % 3 AS id")
+        .groupBy("id")
+        .count()
+        .selectExpr("id", "CAST(count AS DOUBLE) AS value")
+    )
+
+    def run_in_complete_mode() -> None:
+        query = (
+            counts.writeStream.format("hastream")
+            .option("sites", sites)
+            .option("table", "warmup")
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .outputMode("complete")
+            .start()
+        )
+        try:
+            query.awaitTermination(timeout=120)
+        finally:
+            query.stop()
+
+    with pytest.raises(Exception, match=r"outputMode\('append'\)"):
+        run_in_complete_mode()
+    assert spark_cluster.row_count(spark_cluster.leader(), "warmup") == before

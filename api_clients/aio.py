@@ -1,0 +1,353 @@
+"""An asyncio client: the Session's calls on `grpc.aio`, for asyncio programs.
+
+    session = await api_clients.aio.connect("db1", 8901, highAvailabilitySites=[...])
+    await session.haStreamTable(2, schema, "ticks", 100_000, keyColumn="id")
+    result = await session.append("ticks", rows)          # committed on a majority
+    table = await session.read("ticks", 0)
+    async for first_offset, rows in session.subscribe("ticks", offset=0):
+        ...
+
+The same contract as the threaded client (connection.py), kept small: every call follows
+the leader within a deadline, by the threaded client's own retry decision
+(`call_policy.decide`: a NotLeader that names the leader goes there at once; an election,
+an unreachable node or any other retryable error tries the next site after a capped
+backoff; a TableNotFound is believed once every site said so). `append` carries a
+producer id and a sequence per request, so a retry after a lost answer is answered from the
+cluster's producer window, never appended twice. `subscribe` is an async iterator that
+resumes after a failure from the row after the last one it yielded, on whichever node leads
+then. Errors are the same typed errors (hastream.errors and api_clients.transport).
+
+With `userid`/`password` it logs in at `connect` and sends the token with every call
+(login.py). No hedging of silent leaders: a frozen leader is left by gRPC keepalive
+(about 15 s), as the threaded client's backstop does.
+
+Not thread-safe: one event loop owns a session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Final
+
+import grpc
+import grpc.aio
+import pyarrow as pa
+
+from api_clients import admin, batches
+from api_clients.call_policy import AttemptState, decide, leader_named
+from api_clients.connection import (
+    ATTEMPT_TIMEOUT_S_DEFAULT,
+    CHANNEL_OPTIONS,
+    DEADLINE_S_DEFAULT,
+    parse_site,
+)
+from api_clients.login import TOKEN_METADATA_KEY, Login
+from api_clients.pipeline import append_result
+from api_clients.retry import BACKOFF_INITIAL_S, BACKOFF_MAX_S, Backoff
+from api_clients.transport import typed_error
+from api_clients.types import AppendResult, TableInfo
+from hastream.errors import InvalidArgument, RaftStoreError
+from hastream.model import OFFSET_LATEST
+from hastream.tls import ClientTls
+from proto import hastream_pb2, hastream_pb2_grpc
+
+# Calls a group's leader answers: the site that answers one is remembered for the table.
+_LEADER_METHODS: Final = frozenset({"Publish", "HaStreamTable", "DropStreamTable"})
+
+
+class AioSession:
+    """A connection to the cluster through any of `sites` (see the module docstring)."""
+
+    def __init__(
+        self,
+        sites: Sequence[str],
+        *,
+        userid: str | None = None,
+        password: str | None = None,
+        tls: ClientTls | None = None,
+        timeout_s: float = ATTEMPT_TIMEOUT_S_DEFAULT,
+        deadline_s: float = DEADLINE_S_DEFAULT,
+    ) -> None:
+        self._sites = list(dict.fromkeys(parse_site(site) for site in sites))
+        if not self._sites:
+            raise InvalidArgument("sites", "at least one site is needed")
+        if (userid is None) != (password is None):
+            raise InvalidArgument("userid/password", "give both or neither")
+        self._login = None if userid is None or password is None else Login(userid, password)
+        self._tls = tls
+        self._credentials = None
+        if tls is not None:
+            pem = tls.read()
+            self._credentials = grpc.ssl_channel_credentials(
+                pem.ca, pem.private_key, pem.cert_chain
+            )
+        self._timeout_s = timeout_s
+        self._deadline_s = deadline_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._leaders: dict[str, str] = {}  # table -> site that answered as its leader
+        self._preferred = self._sites[0]
+        self._publishers: dict[str, tuple[bytes, int]] = {}  # table -> producer id, sequence
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def close(self) -> None:
+        channels = list(self._channels.values())
+        self._channels.clear()
+        for channel in channels:
+            await channel.close()
+
+    async def __aenter__(self) -> AioSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _stub(self, site: str) -> hastream_pb2_grpc.StreamTableStub:
+        channel = self._channels.get(site)
+        if channel is None:
+            options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
+            if self._tls is not None and self._tls.server_name is not None:
+                options.append(("grpc.ssl_target_name_override", self._tls.server_name))
+            channel = (
+                grpc.aio.insecure_channel(site, options=options)
+                if self._credentials is None
+                else grpc.aio.secure_channel(site, self._credentials, options=options)
+            )
+            self._channels[site] = channel
+        return hastream_pb2_grpc.StreamTableStub(channel)
+
+    async def _metadata(self) -> tuple[tuple[str, str], ...]:
+        if self._login is None:
+            return ()
+        token = self._login.token()
+        if token is None:
+            token = await self.login()
+        return ((TOKEN_METADATA_KEY, token),) if token else ()
+
+    async def login(self) -> str:
+        """Log in now (connect does): raises Unauthenticated. Returns the token."""
+        if self._login is None:
+            return ""
+        return self._login.accept(await self.call("Login", self._login.request()))
+
+    # -- calls -----------------------------------------------------------------------
+
+    def _backoff(self) -> Backoff:
+        return Backoff(BACKOFF_INITIAL_S, BACKOFF_MAX_S, self._deadline_s)
+
+    async def _retry_at(
+        self,
+        memory: AttemptState,
+        target: str,
+        error: RaftStoreError,
+        backoff: Backoff,
+        table: str | None,
+    ) -> tuple[AttemptState, str]:
+        """Where the next attempt goes after `error` on `target`: the threaded client's own
+        decision (`call_policy.decide`), with an asyncio wait. Raises `error` when the call
+        ends."""
+        hint = self._learn(leader_named(error))
+        decision = decide(
+            dataclasses.replace(
+                memory,
+                target=target,
+                sites=tuple(self._sites),
+                time_left=backoff.remaining_s() > 0,
+                hint=None if hint == target else hint,
+            ),
+            error,
+        )
+        if decision.forget_leader and table is not None:
+            self._leaders.pop(table, None)
+        if decision.target is None or (decision.backoff and not await backoff.wait_async()):
+            raise error
+        return decision.state, decision.target
+
+    async def call(self, method_name: str, request: Any, *, table: str | None = None) -> Any:
+        """Send the unary `request`, following the leader (see the module docstring)."""
+        backoff = self._backoff()
+        target = self._leaders.get(table or "", self._preferred)
+        memory = AttemptState(
+            target=target, sites=(), time_left=True, table_lookup=table is not None
+        )
+        while True:
+            timeout_s = max(0.01, min(self._timeout_s, backoff.remaining_s()))
+            metadata = () if method_name == "Login" else await self._metadata()
+            try:
+                method = getattr(self._stub(target), method_name)
+                reply = await method(request, timeout=timeout_s, metadata=metadata)
+            except grpc.aio.AioRpcError as rpc_error:
+                error = typed_error(rpc_error, target, timeout_s)
+                memory, target = await self._retry_at(memory, target, error, backoff, table)
+                continue
+            self._preferred = target
+            if table is not None and method_name in _LEADER_METHODS:
+                self._leaders[table] = target
+            return reply
+
+    def _learn(self, address: str | None) -> str | None:
+        if address is None:
+            return None
+        try:
+            site = parse_site(address)
+        except InvalidArgument:
+            return None
+        if site not in self._sites:
+            self._sites.append(site)
+        return site
+
+    # -- tables ----------------------------------------------------------------------
+
+    async def haStreamTable(
+        self,
+        raftGroup: int,
+        schema: pa.Schema | pa.Table | Any,
+        tableName: str,
+        cacheLimit: int,
+        keyColumn: str | None = None,
+        retentionMinutes: int = 1440,
+    ) -> TableInfo:
+        request = admin.create_table_request(
+            raft_group=raftGroup,
+            schema=schema,
+            table=tableName,
+            cache_limit=cacheLimit,
+            key_column=keyColumn,
+            retention_minutes=retentionMinutes,
+        )
+        reply = await self.call("HaStreamTable", request, table=tableName)
+        return admin.table_info_from_proto(reply)
+
+    async def dropStreamTable(self, tableName: str, force: bool = False) -> None:
+        request = hastream_pb2.DropTableRequest(table=tableName, force=force)
+        await self.call("DropStreamTable", request, table=tableName)
+        self._publishers.pop(tableName, None)
+
+    async def getTableInfo(self, tableName: str) -> TableInfo:
+        request = hastream_pb2.TableRequest(table=tableName)
+        return admin.table_info_from_proto(await self.call("GetTableInfo", request))
+
+    async def getStreamingLeader(self, groupId: int) -> str:
+        request = hastream_pb2.GroupRequest(raft_group=groupId)
+        return str((await self.call("GetStreamingLeader", request)).leader)
+
+    # -- data ------------------------------------------------------------------------
+
+    async def append(self, tableName: str, data: object) -> AppendResult:
+        """Append `data` (a pyarrow Table, a pandas DataFrame or rows) to the table, in
+        requests of at most the wire's batch size; the result of the first request, or of
+        the only one. Each request is retried with its producer id and sequence."""
+        info = await self.getTableInfo(tableName)
+        table = batches.to_table(data, info.schema, tableName)
+        producer_id, sequence = self._publishers.get(tableName, (secrets.token_bytes(16), 0))
+        first: AppendResult | None = None
+        for chunk in batches.encode_chunks(table):
+            sequence += 1
+            self._publishers[tableName] = (producer_id, sequence)
+            request = hastream_pb2.PublishRequest(
+                table=tableName, producer_id=producer_id, sequence=sequence, payload=chunk.payload
+            )
+            result = append_result(await self.call("Publish", request, table=tableName))
+            first = first or result
+        assert first is not None  # encode_chunks returns at least one chunk
+        return first
+
+    async def read(self, tableName: str, offsetFrom: int, offsetTo: int = -1) -> pa.Table:
+        """The rows `[offsetFrom, offsetTo)` (`-1`: to the end as the table is now), from any
+        replica; a broken stream is resumed where it stopped."""
+        info = await self.getTableInfo(tableName)
+        end = info.row_count if offsetTo < 0 else offsetTo
+        parts: list[pa.Table] = []
+        position = offsetFrom
+        backoff = self._backoff()
+        target = self._preferred
+        memory = AttemptState(target=target, sites=(), time_left=True)
+        while position < end:
+            request = hastream_pb2.ReadRequest(table=tableName, offset_from=position, offset_to=end)
+            try:
+                stream = self._stub(target).Read(
+                    request, timeout=self._timeout_s, metadata=await self._metadata()
+                )
+                async for message in stream:
+                    parts.append(batches.decode(message.payload))
+                    position = message.first_offset + message.row_count
+            except grpc.aio.AioRpcError as rpc_error:
+                error = typed_error(rpc_error, target, self._timeout_s)
+                memory, target = await self._retry_at(memory, target, error, backoff, None)
+        return pa.concat_tables(parts) if parts else info.schema.empty_table()
+
+    async def subscribe(
+        self,
+        tableName: str,
+        offset: int = OFFSET_LATEST,
+        actionName: str = "default",
+        batchRows: int = 0,
+    ) -> AsyncIterator[tuple[int, pa.Table]]:
+        """(first offset, rows) for every batch of the table from `offset` (DolphinDB's -1:
+        new rows only; -2: after the action's persisted offset; -3: the earliest retained),
+        for ever, from whichever node leads; resumes after a failure from the row after the
+        last one yielded. Ends with a non-retryable error, or when the caller stops."""
+        await self.getTableInfo(tableName)  # TableNotFound now, not in the loop
+        position = offset
+        target = self._leaders.get(tableName, self._preferred)
+        while True:
+            # A fresh budget per outage: a subscription lasts for ever, its retries do not.
+            backoff = self._backoff()
+            memory = AttemptState(target=target, sites=(), time_left=True)
+            request = hastream_pb2.SubscribeRequest(
+                table=tableName, action_name=actionName, offset=position, batch_rows=batchRows
+            )
+            try:
+                stream = self._stub(target).Subscribe(request, metadata=await self._metadata())
+                async for message in stream:
+                    if message.row_count == 0:
+                        continue  # a heartbeat
+                    rows = batches.decode(message.payload)
+                    position = message.first_offset + message.row_count
+                    yield message.first_offset, rows
+            except grpc.aio.AioRpcError as rpc_error:
+                error = typed_error(rpc_error, target, None)
+                memory, target = await self._retry_at(memory, target, error, backoff, tableName)
+
+    async def commitOffset(self, tableName: str, offset: int, actionName: str = "default") -> None:
+        """Persist `offset` as the last row the action processed (for `offset=-2`)."""
+        request = hastream_pb2.CommitOffsetRequest(
+            table=tableName, action_name=actionName, offset=offset
+        )
+        await self.call("CommitOffset", request, table=tableName)
+
+
+async def connect(
+    host: str,
+    port: int,
+    userid: str | None = None,
+    password: str | None = None,
+    highAvailabilitySites: Sequence[str] | None = None,
+    *,
+    tls: bool = False,
+    caFile: str | None = None,
+    certFile: str | None = None,
+    keyFile: str | None = None,
+    deadline_s: float = DEADLINE_S_DEFAULT,
+) -> AioSession:
+    """`connection.connect`'s asyncio twin: logs in now when `userid` is given."""
+    wants_tls = tls or any(path is not None for path in (caFile, certFile, keyFile))
+    session = AioSession(
+        [f"{host}:{port}", *(highAvailabilitySites or ())],
+        userid=userid,
+        password=password,
+        tls=ClientTls(caFile, certFile, keyFile) if wants_tls else None,
+        deadline_s=deadline_s,
+    )
+    if userid is not None:
+        try:
+            await session.login()
+        except BaseException:
+            await session.close()
+            raise
+    return session
+
+
+__all__ = ["AioSession", "connect"]
