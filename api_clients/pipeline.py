@@ -122,6 +122,7 @@ class _Retry:
     redirected: bool = False
     not_found: set[str] = field(default_factory=set)  # sites that answered TableNotFound
     not_found_error: TableNotFound | None = None
+    gave_up: bool = False  # the requests it covered were failed
 
 
 class PublishPipeline:
@@ -302,6 +303,10 @@ class PublishPipeline:
                 retry = _Retry(self._session.new_backoff(self._deadline_s))
             self.reconnects += 1
             site = self._after_failure(site, error, retry)
+            if retry.gave_up:
+                # The failed requests are settled; the next ones get a budget of their own
+                # (a spent one would fail each of them at once, in a tight loop).
+                retry = None
 
     def _watch_attempts(self) -> None:  # the watchdog's loop: runs until close()
         """Leaves an attempt whose requests go unanswered past the hedge delay once the
@@ -461,6 +466,7 @@ class PublishPipeline:
         if not error.retryable:
             log.warning("pipelined publish failed table=%s error=%s", self._table, error)
             self._fail_all(error, renew=True)
+            retry.gave_up = True
             return site
         log.debug("publish stream failed site=%s error=%s", site, error)
         self._session.forget_leader(site, table=self._table, group=None)
@@ -474,6 +480,7 @@ class PublishPipeline:
         if not retry.backoff.wait():
             log.warning("pipelined publish gave up table=%s error=%s", self._table, error)
             self._fail_all(error, renew=True)
+            retry.gave_up = True
             return site
         return hint if hint is not None else self._session.next_site(site)
 

@@ -4,6 +4,7 @@ refusals before any network call, the window's byte bound (against a fake Stream
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,3 +153,21 @@ def test_bad_rows_are_refused_by_append_async_before_anything_is_queued(
     with pytest.raises(errors.EmptyBatch):
         publisher.append_async(SCHEMA.empty_table())
     assert publisher.pipeline_stats() is None
+
+
+@pytest.mark.unit
+def test_requests_after_a_give_up_get_a_retry_budget_of_their_own() -> None:
+    """A pipeline that gave up on a dead site fails the next request only after its own
+    budget: a spent budget kept across the give-up failed every later request at once,
+    thousands a second."""
+    deadline_s = 0.5
+    session = Session(["127.0.0.1:1"], deadline_s=deadline_s)  # nothing listens there
+    pipeline = PublishPipeline(session, "t", max_in_flight=2)
+    try:
+        pipeline.submit(b"x", 1).exception(timeout=10.0)
+        started = time.monotonic()
+        assert pipeline.submit(b"y", 1).exception(timeout=10.0) is not None
+        assert time.monotonic() - started >= deadline_s / 2
+    finally:
+        pipeline.close(timeout_s=0.0)
+        session.close()

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.cluster
 FD_SOFT_LIMIT = 1024
 TABLES_UNDER_FD_LIMIT = 1100  # ~1,000, and past the limit with the node's own files
 RESTARTS_UNDER_PUBLISHERS = 12
+FREEZE_MAX_S = 5.0  # the followers' freeze while the leader stops
 BIG_TABLE_ROWS = 200_000
 BIG_TABLE_BASE = 5 * WRITER_SPAN
 REPLAY_BATCH_ROWS = 500
@@ -452,6 +453,11 @@ def _wait_for_progress(cluster: LocalCluster, errors: list[str]) -> None:
     )
 
 
+def _thaw(cluster: LocalCluster, aliases: list[str]) -> None:
+    for alias in aliases:
+        cluster.signal(alias, signal.SIGCONT)
+
+
 def _wait_stopping(cluster: LocalCluster, alias: str) -> None:
     """Until the node has taken its SIGTERM (it logs the signal, then stops)."""
     wait_until(
@@ -475,19 +481,30 @@ def test_publishers_ride_through_graceful_restarts_of_the_leader(
     writers.append(threading.Thread(target=_pipeline_until, args=(stop, clients[0], errors)))
     for writer in writers:
         writer.start()
+    timeline: list[str] = []  # printed with a failure: which restart stalled, and how long
     try:
-        for _ in range(RESTARTS_UNDER_PUBLISHERS):
+        for restart in range(RESTARTS_UNDER_PUBLISHERS):
             _wait_for_progress(cluster, errors)
             leader = cluster.leader(2)
             followers = [alias for alias in sorted(cluster.nodes) if alias != leader]
+            started = time.monotonic()
             cluster.signal(leader, signal.SIGTERM)
             _wait_stopping(cluster, leader)  # it hands its groups over meanwhile
             for follower in followers:  # calls that reach it now cannot commit
                 cluster.signal(follower, signal.SIGSTOP)
+            # The freeze is bounded: a leader that cannot hand over exits after its own
+            # budget, and the followers must not stay frozen past a few seconds of it.
+            thaw = threading.Timer(FREEZE_MAX_S, _thaw, args=(cluster, followers))
+            thaw.start()
             cluster.terminate(leader)
-            for follower in followers:
-                cluster.signal(follower, signal.SIGCONT)
+            thaw.cancel()
+            _thaw(cluster, followers)
+            exited = time.monotonic()
             cluster.start_node(leader)
+            timeline.append(
+                f"restart {restart}: {leader} exited after {exited - started:.1f} s, "
+                f"ready after {time.monotonic() - started:.1f} s, errors so far {len(errors)}"
+            )
         _wait_for_progress(cluster, errors)
     finally:
         stop.set()
@@ -495,7 +512,12 @@ def test_publishers_ride_through_graceful_restarts_of_the_leader(
             writer.join()
         for client in clients:
             client.close()
-    assert not errors, f"{len(errors)} appends failed, e.g. {errors[:3]}"
+    if errors:
+        logs = "\n".join(
+            f"--- {alias}\n{cluster.log_tail(alias, 40)}" for alias in sorted(cluster.nodes)
+        )
+        timeline_text = "\n".join(timeline)
+        pytest.fail(f"{len(errors)} appends failed, e.g. {errors[:3]}\n{timeline_text}\n{logs}")
 
 
 # --- (i) catch-up of a table the peers dropped since their checkpoint ------------------------
