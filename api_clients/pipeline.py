@@ -170,6 +170,10 @@ class PublishPipeline:
         self.messages_sent = 0
 
     @property
+    def table(self) -> str:
+        return self._table
+
+    @property
     def producer_id(self) -> bytes:
         with self._condition:
             return self._producer_id

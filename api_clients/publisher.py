@@ -35,6 +35,7 @@ from api_clients.buffer import (
     BufferStats,
     DurableBuffer,
 )
+from api_clients.coalescer import Coalescer
 from api_clients.pipeline import MAX_IN_FLIGHT_DEFAULT, PublishPipeline, append_result
 from api_clients.types import AppendResult
 from hastream import wire
@@ -115,11 +116,16 @@ class Publisher:
                 durable_buffer_dir, table=tableName, bytes_max=buffer_bytes_max
             )
             producer_id = self._buffer.producer_id
+        # A caller's producer id promises that a re-run of the same appends maps to the same
+        # sequences: merging appends (which depends on timing) would break that.
+        self._stable_producer = producer_id is not None
         self._producer_id = producer_id or secrets.token_bytes(wire.PRODUCER_ID_BYTES)
         self._first_sequence = first_sequence
         self._next_sequence = first_sequence
         self._max_in_flight = MAX_IN_FLIGHT_DEFAULT if max_in_flight is None else max_in_flight
         self._pipeline: PublishPipeline | None = None
+        self._coalescer: Coalescer | None = None
+        self._key_column: str | None = None  # as getTableInfo said; None before it was asked
         self._batch_bytes_max = batch_bytes_max
         self._deadline_s = deadline_s
         self._schema: pa.Schema | None = schema
@@ -157,7 +163,8 @@ class Publisher:
         if self._schema is not None:
             return self._schema
         try:
-            self._schema = self._session.getTableInfo(self._table, deadline_s=deadline_s).schema
+            info = self._session.getTableInfo(self._table, deadline_s=deadline_s)
+            self._schema, self._key_column = info.schema, info.key_column or ""
         except RaftStoreError as error:
             stored = self._buffer.schema() if self._buffer is not None else None
             if not error.retryable or stored is None:
@@ -217,9 +224,11 @@ class Publisher:
         return AppendResult.merge(results)
 
     def append_async(self, data: object) -> Future[AppendResult]:
-        """Pipelined `append`: validates and encodes `data` on the calling thread (raising
-        as `append` does, with nothing sent), queues its request(s) and returns a Future of
-        the committed offsets. Blocks only while `max_in_flight` requests are in flight.
+        """Pipelined `append`: validates `data` on the calling thread (raising as `append`
+        does, with nothing sent), queues it and returns a Future of its committed offsets.
+        Appends queued while earlier requests are in flight go out together as one request
+        (api_clients/coalescer.py), unless the table has a key column or the caller gave
+        the producer id. Blocks only while the queue holds `coalescer.PENDING_BYTES_MAX`.
 
         Requests reach the table in call order, each exactly once, across leader changes
         (resent with the same producer id and sequence). The future raises the request's
@@ -230,14 +239,11 @@ class Publisher:
             raise InvalidArgument("durable_buffer_dir", _NO_PIPELINE_WITH_BUFFER)
         with self._lock:
             table = self._to_table(data)
-            chunks = batches.encode_chunks(table, bytes_max=self._batch_bytes_max)
-            pipeline = self._pipeline_started()
-            futures = [pipeline.submit(chunk.payload, chunk.row_count) for chunk in chunks]
-        return futures[0] if len(futures) == 1 else _gather(futures)
+            return self._pipeline_started().add(table)
 
-    def _pipeline_started(self) -> PublishPipeline:
-        """The pipeline, started on first use (caller holds the lock)."""
-        if self._pipeline is None:
+    def _pipeline_started(self) -> Coalescer:
+        """The pipeline and its coalescer, started on first use (caller holds the lock)."""
+        if self._coalescer is None:
             # After unary appends the group may hold a gap this producer cannot see (a
             # failed request): pipeline under a fresh producer rather than hit SequenceGap.
             fresh = self._next_sequence != self._first_sequence
@@ -249,7 +255,27 @@ class Publisher:
                 max_in_flight=self._max_in_flight,
                 deadline_s=self._deadline_s,
             )
-        return self._pipeline
+            self._coalescer = Coalescer(
+                self._pipeline,
+                merge=self._mergeable,
+                bytes_max=self._batch_bytes_max,
+            )
+        return self._coalescer
+
+    def _mergeable(self) -> bool:
+        """Whether appends may share a request: a random producer id and a table known to
+        have no key column. Called once, on the coalescer's thread (without the lock: the
+        caller may be waiting in `add` for that thread); asks the cluster once when the
+        schema came from the caller, and an unknown key column counts as one."""
+        if self._stable_producer:
+            return False
+        if self._key_column is None:
+            try:
+                self._key_column = self._session.getTableInfo(self._table).key_column or ""
+            except RaftStoreError as error:
+                log.warning("appends not merged table=%s error=%s", self._table, error)
+                return False
+        return self._key_column == ""
 
     def _publish(self, chunk: batches.EncodedChunk) -> AppendResult:
         sequence = self._next_sequence
@@ -361,9 +387,13 @@ class Publisher:
         deadline passes; returns the rows still buffered. Pipelined: waits until every
         `append_async` request is acknowledged or failed (at most `deadline_s`); returns
         the rows still in flight. 0 otherwise."""
-        if self._pipeline is not None:
-            self._pipeline.flush(deadline_s)
-            return self._pipeline.rows_in_flight()
+        if self._pipeline is not None and self._coalescer is not None:
+            deadline = None if deadline_s is None else time.monotonic() + deadline_s
+            self._coalescer.flush(deadline_s)
+            self._pipeline.flush(
+                None if deadline is None else max(0.0, deadline - time.monotonic())
+            )
+            return self._coalescer.pending_rows() + self._pipeline.rows_in_flight()
         with self._lock:
             if self._buffer is None:
                 return 0
@@ -373,9 +403,9 @@ class Publisher:
     def pipeline_stats(self) -> dict[str, int] | None:
         """The pipeline's counters (requests in flight, streams reopened, requests resent);
         None before the first `append_async`."""
-        if self._pipeline is None:
+        if self._pipeline is None or self._coalescer is None:
             return None
-        return self._pipeline.stats()
+        return {**self._pipeline.stats(), "merged_appends": self._coalescer.merged_appends}
 
     def buffer_stats(self) -> BufferStats | None:
         """The durable buffer's counters (pending, dropped, truncated...); None without one."""
@@ -385,8 +415,10 @@ class Publisher:
         """Closes the durable buffer (writing its COMMIT marker); rows still in it are sent by
         the next Publisher opened on the directory. Pipelined: waits for the requests in
         flight (up to the session deadline; the rest fail), then ends the stream."""
-        if self._pipeline is not None:
-            self._pipeline.close(self._session.deadline_s)
+        if self._pipeline is not None and self._coalescer is not None:
+            deadline = time.monotonic() + self._session.deadline_s
+            self._coalescer.close(self._session.deadline_s)
+            self._pipeline.close(max(0.0, deadline - time.monotonic()))
         with self._lock:
             if self._buffer is not None:
                 self._buffer.close()
@@ -402,27 +434,3 @@ _NO_PIPELINE_WITH_BUFFER: Final = (
     "pipelined publishing (append_async, max_in_flight) is not available with a durable "
     "buffer; use append, or MultithreadedTableWriter for buffered parallel sending"
 )
-
-
-def _gather(futures: list[Future[AppendResult]]) -> Future[AppendResult]:
-    """One future for the requests of a split append: their merged result once all are
-    acknowledged, or the first error."""
-    combined: Future[AppendResult] = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def done(_: Future[AppendResult]) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if not last:
-            return
-        errors = [future.exception() for future in futures if future.exception() is not None]
-        if errors:
-            combined.set_exception(errors[0])
-        else:
-            combined.set_result(AppendResult.merge([future.result() for future in futures]))
-
-    for future in futures:
-        future.add_done_callback(done)
-    return combined

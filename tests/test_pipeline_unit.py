@@ -11,8 +11,17 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from api_clients import PipelineClosed, PublishAborted, Publisher, PublishPipeline, Session
+from api_clients import (
+    PipelineClosed,
+    PublishAborted,
+    Publisher,
+    PublishPipeline,
+    Session,
+    coalescer,
+)
 from api_clients.retry import Backoff
 from api_clients.transport import Stream
 from hastream import errors, wire
@@ -171,3 +180,27 @@ def test_requests_after_a_give_up_get_a_retry_budget_of_their_own() -> None:
     finally:
         pipeline.close(timeout_s=0.0)
         session.close()
+
+
+@pytest.mark.unit
+@given(
+    appends=st.lists(st.integers(1, 50), min_size=1, max_size=30),
+    cuts=st.lists(st.integers(1, 60), min_size=1, max_size=30),
+)
+def test_each_merged_append_maps_to_its_own_rows_of_the_requests(
+    appends: list[int], cuts: list[int]
+) -> None:
+    """The coalescer's map from an append's rows to the requests (chunks) they were sent in:
+    every row of every append lands in exactly one chunk, at its own position."""
+    total = sum(appends)
+    chunk_starts = sorted({0} | {sum(cuts[: i + 1]) for i in range(len(cuts))} - {total})
+    chunk_starts = [start for start in chunk_starts if start < total]
+    first = 0
+    for count in appends:
+        covered = [
+            chunk_starts[segment.chunk] + segment.start + row
+            for segment in coalescer._segments(first, count, chunk_starts)
+            for row in range(segment.count)
+        ]
+        assert covered == list(range(first, first + count))
+        first += count
