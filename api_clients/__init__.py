@@ -29,7 +29,7 @@ from api_clients.transport import (
     StreamIdle,
     TransportError,
 )
-from api_clients.types import AppendResult, TableInfo
+from api_clients.types import AppendResult, OffsetForTime, TableInfo
 from api_clients.writer import (
     MultithreadedTableWriter,
     ThreadStatus,
@@ -77,6 +77,7 @@ __all__ = [
     "MultithreadedTableWriter",
     "NodeUnavailable",
     "NotLeader",
+    "OffsetForTime",
     "OffsetOutOfRange",
     "Overloaded",
     "PermissionDenied",

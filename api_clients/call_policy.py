@@ -216,7 +216,14 @@ def _stop(action: Action, state: AttemptState) -> Decision:
 # Calls whose attempt may be abandoned while outstanding and sent again elsewhere: sending
 # one twice changes nothing. Publish only with a producer id (checked by `hedgeable`).
 HEDGEABLE_METHODS: Final = frozenset(
-    {"Publish", "CommitOffset", "GetTableInfo", "GetTopicProcessedOffset", "GetStreamingLeader"}
+    {
+        "Publish",
+        "CommitOffset",
+        "GetTableInfo",
+        "GetOffsetForTime",
+        "GetTopicProcessedOffset",
+        "GetStreamingLeader",
+    }
 )
 
 

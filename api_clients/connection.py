@@ -30,14 +30,14 @@ import grpc
 import pyarrow as pa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from api_clients import admin, transport
+from api_clients import admin, times, transport
 from api_clients.call_policy import Action, AttemptState, decide, hedgeable, leader_named
 from api_clients.hedge import HEDGE_DELAY_S_DEFAULT, AttemptMonitor, LeaderWatch
 from api_clients.login import Login, TokenInterceptor
 from api_clients.reader import read_range
 from api_clients.retry import BACKOFF_INITIAL_S, BACKOFF_MAX_S, Backoff
 from api_clients.subscriber import Subscription, subscription_filter, subscription_handler
-from api_clients.types import Filter, TableInfo
+from api_clients.types import Filter, OffsetForTime, TableInfo
 from hastream import wire
 from hastream.errors import InvalidArgument, RaftStoreError
 from hastream.model import LOCAL_GROUP, topic_name
@@ -685,11 +685,34 @@ class Session:
         offsetFrom: int,
         offsetTo: int = -1,
         *,
+        includeMetadata: bool = False,
         deadline_s: float | None = None,
     ) -> pa.Table:
         """The rows `[offsetFrom, offsetTo)` of a table as one pyarrow Table (`offsetTo=-1`:
-        up to the end). Complete or raising; see `api_clients.reader.read_range`."""
-        return read_range(self, tableName, offsetFrom, offsetTo, deadline_s=deadline_s)
+        up to the end); with `includeMetadata`, also each row's `_offset` and `_ingest_time`
+        (api_clients/times.py). Complete or raising; see `api_clients.reader.read_range`."""
+        return read_range(
+            self,
+            tableName,
+            offsetFrom,
+            offsetTo,
+            deadline_s=deadline_s,
+            include_metadata=includeMetadata,
+        )
+
+    def offsetForTime(self, tableName: str, when: object) -> OffsetForTime:
+        """The first retained row stamped at or after `when` (ms since the epoch, or a
+        datetime; naive is UTC), answered by the table's leader; see `OffsetForTime`."""
+        request = hastream_pb2.OffsetForTimeRequest(
+            table=tableName, timestamp_ms=times.epoch_ms(when, "when")
+        )
+        response = self.call("GetOffsetForTime", request, table=tableName)
+        return OffsetForTime(
+            table=response.table,
+            found=response.found,
+            offset=response.offset,
+            timestamp_ms=response.timestamp_ms,
+        )
 
     # -- subscriptions ---------------------------------------------------------------
 
@@ -707,6 +730,7 @@ class Session:
         persistOffset: bool = True,
         msgAsTable: bool = True,
         resub: bool | None = None,
+        startTime: object = None,
     ) -> Subscription:
         """Starts a background subscription to topic `tableName/actionName`; see
         `api_clients.subscriber.Subscription` for the delivery contract.
@@ -715,12 +739,22 @@ class Session:
         exists (TableNotFound once every site says so), `handler` takes `(msg)` as in
         DolphinDB's API or `(msg, first_offset)`, and `filter` is a callable or, as in
         DolphinDB, a list of values of the table's key column to keep. `resub` is
-        DolphinDB's name for `reconnect`."""
+        DolphinDB's name for `reconnect`.
+
+        `startTime` (ms since the epoch, or a datetime; naive is UTC) starts at the first
+        row stamped at or after it (`offsetForTime`), or with the next new row when every
+        retained row is older; it replaces `offset`, so give one or the other."""
         if resub is not None:  # DolphinDB's name for `reconnect`
             reconnect = resub
         topic = topic_name(tableName, actionName)
         checked_handler = subscription_handler(handler)  # local checks before the network
+        if startTime is not None and offset != -1:
+            raise InvalidArgument("startTime", f"give offset={offset} or startTime, not both")
+        if startTime is not None:
+            times.epoch_ms(startTime, "startTime")  # refused before the network
         info = self.getTableInfo(tableName)
+        if startTime is not None:
+            offset = self.offsetForTime(tableName, startTime).offset
         subscription = Subscription(
             self,
             tableName,

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 
-from api_clients import batches
+from api_clients import batches, times
 from api_clients.hedge import StreamGuard
 from api_clients.transport import StreamBroken
 from api_clients.types import StreamOpener
@@ -34,10 +34,12 @@ def read_range(
     *,
     batch_rows: int = 0,
     deadline_s: float | None = None,
+    include_metadata: bool = False,
 ) -> pa.Table:
     """The rows `[offset_from, offset_to)` of `table` (`offset_to=-1`: up to the end the
-    answering node knows). Raises the last error when the deadline passes before the range
-    is complete, and non-retryable errors (OffsetOutOfRange, TableNotFound) at once."""
+    answering node knows), with `include_metadata` also each row's offset and ingest time
+    (`times.with_metadata`). Raises the last error when the deadline passes before the
+    range is complete, and non-retryable errors (OffsetOutOfRange, TableNotFound) at once."""
     if offset_from < 0 or (offset_to >= 0 and offset_to < offset_from):
         raise InvalidArgument("offset", f"bad range [{offset_from}, {offset_to})")
     if not 0 <= batch_rows <= wire.SUBSCRIBE_BATCH_ROWS_MAX:
@@ -51,7 +53,8 @@ def read_range(
             table=table, offset_from=position, offset_to=offset_to, batch_rows=batch_rows
         )
         try:
-            for rows in _read_stream(session, site, request, backoff.remaining_s()):
+            stream = _read_stream(session, site, request, backoff.remaining_s(), include_metadata)
+            for rows in stream:
                 parts.append(rows)
                 position += rows.num_rows
         except RaftStoreError as error:
@@ -70,12 +73,19 @@ def read_range(
             raise reason
         site = hint if hint is not None else session.next_site(site)
     if not parts:
-        return session.getTableInfo(table).schema.empty_table()
+        schema = session.getTableInfo(table).schema
+        if include_metadata:
+            schema = pa.schema([*schema, *times.METADATA_FIELDS], metadata=schema.metadata)
+        return schema.empty_table()
     return pa.concat_tables(parts)
 
 
 def _read_stream(
-    session: StreamOpener, site: str, request: hastream_pb2.ReadRequest, timeout_s: float
+    session: StreamOpener,
+    site: str,
+    request: hastream_pb2.ReadRequest,
+    timeout_s: float,
+    include_metadata: bool,
 ) -> Iterator[pa.Table]:
     """The stream's rows, message by message, checked to be contiguous from
     `request.offset_from`. Rows before a failure stay with the caller: a retry starts after."""
@@ -95,6 +105,13 @@ def _read_stream(
             if rows.num_rows != message.row_count:
                 raise InvalidArgument(
                     "payload", f"row_count={message.row_count}, got {rows.num_rows}"
+                )
+            if include_metadata:
+                rows = times.with_metadata(
+                    rows,
+                    message.first_offset,
+                    list(message.slice_offsets),
+                    list(message.slice_timestamps_ms),
                 )
             position += rows.num_rows
             yield rows

@@ -78,6 +78,18 @@ class TableInfo:
     earliest_offset: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OffsetForTime:
+    """The first retained row of `table` stamped at or after the time asked (Kafka's
+    offsetsForTimes). `found=False`: every retained row is older, and `offset` is the
+    table's row count (the next row); `timestamp_ms` is then -1."""
+
+    table: str
+    found: bool
+    offset: int
+    timestamp_ms: int
+
+
 class StreamOpener(Protocol):
     """What the subscriber, the reader and the publish pipeline need of a session: the site
     list and leader memory, retry budgets, streams, a watch that tells when to leave a silent

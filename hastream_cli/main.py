@@ -27,6 +27,7 @@ from hastream import wire
 from hastream.errors import ConfigError, RaftStoreError, TopicNotFound
 from hastream.tls import ClientTls
 from hastream_cli import render
+from hastream_cli.since import since_ms
 
 SITES_DEFAULT: Final = "127.0.0.1:8901,127.0.0.1:8902,127.0.0.1:8903"
 CONFIG_DEFAULT: Final = "cluster.cfg"
@@ -442,10 +443,18 @@ def status(ctx: Context) -> None:
     show_default=True,
     help="first offset; -1 new rows only, -3 the earliest retained",
 )
+@click.option(
+    "--since",
+    default=None,
+    help="start at the first row stamped at or after this time: 5m, 2h, 1d ago, an ISO "
+    "8601 time (UTC unless it says) or ms since the epoch; instead of --from",
+)
 @click.option("--limit", type=int, default=0, help="stop after this many rows (0: never)")
 @click.option("--action", default=None, help="action name (default: hastream-tail-<pid>)")
 @common
-def tail(ctx: Context, table: str, offset: int, limit: int, action: str | None) -> None:
+def tail(
+    ctx: Context, table: str, offset: int, since: str | None, limit: int, action: str | None
+) -> None:
     """Print the rows of TABLE as they are published (Ctrl-C stops).
 
     Follows the leader; persists no offset. With --json, one JSON object per row.
@@ -453,7 +462,16 @@ def tail(ctx: Context, table: str, offset: int, limit: int, action: str | None) 
     \b
     Example:
       hastream tail ticks --from 0 --limit 10
+      hastream tail ticks --since 5m
     """
+    start_ms = None
+    if since is not None:
+        if offset != -1:
+            raise click.UsageError("give --from or --since, not both")
+        try:
+            start_ms = since_ms(since, time.time_ns() // 1_000_000)
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint="--since") from None
     batches: queue.Queue[tuple[pa.Table, int]] = queue.Queue(maxsize=64)
     action_name = action or f"hastream-tail-{os.getpid()}"
     with ctx.session() as session:
@@ -463,6 +481,7 @@ def tail(ctx: Context, table: str, offset: int, limit: int, action: str | None) 
             offset=offset,
             actionName=action_name,
             persistOffset=False,
+            startTime=start_ms,
         )
         try:
             for line in _tail_lines(batches, subscription, limit, ctx.as_json):

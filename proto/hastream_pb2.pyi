@@ -116,16 +116,40 @@ class SubscribeRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., action_name: _Optional[str] = ..., offset: _Optional[int] = ..., batch_rows: _Optional[int] = ...) -> None: ...
 
 class RowBatch(_message.Message):
-    __slots__ = ("first_offset", "row_count", "payload", "table_row_count")
+    __slots__ = ("first_offset", "row_count", "payload", "table_row_count", "slice_offsets", "slice_timestamps_ms")
     FIRST_OFFSET_FIELD_NUMBER: _ClassVar[int]
     ROW_COUNT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     TABLE_ROW_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SLICE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SLICE_TIMESTAMPS_MS_FIELD_NUMBER: _ClassVar[int]
     first_offset: int
     row_count: int
     payload: bytes
     table_row_count: int
-    def __init__(self, first_offset: _Optional[int] = ..., row_count: _Optional[int] = ..., payload: _Optional[bytes] = ..., table_row_count: _Optional[int] = ...) -> None: ...
+    slice_offsets: _containers.RepeatedScalarFieldContainer[int]
+    slice_timestamps_ms: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_offset: _Optional[int] = ..., row_count: _Optional[int] = ..., payload: _Optional[bytes] = ..., table_row_count: _Optional[int] = ..., slice_offsets: _Optional[_Iterable[int]] = ..., slice_timestamps_ms: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OffsetForTimeRequest(_message.Message):
+    __slots__ = ("table", "timestamp_ms")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    timestamp_ms: int
+    def __init__(self, table: _Optional[str] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+
+class OffsetForTime(_message.Message):
+    __slots__ = ("table", "found", "offset", "timestamp_ms")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    found: bool
+    offset: int
+    timestamp_ms: int
+    def __init__(self, table: _Optional[str] = ..., found: _Optional[bool] = ..., offset: _Optional[int] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
     __slots__ = ("table", "offset_from", "offset_to", "batch_rows")

@@ -69,6 +69,11 @@ class StreamTableStub:
                 request_serializer=proto_dot_hastream__pb2.ReadRequest.SerializeToString,
                 response_deserializer=proto_dot_hastream__pb2.RowBatch.FromString,
                 _registered_method=True)
+        self.GetOffsetForTime = channel.unary_unary(
+                '/hastream.v1.StreamTable/GetOffsetForTime',
+                request_serializer=proto_dot_hastream__pb2.OffsetForTimeRequest.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.OffsetForTime.FromString,
+                _registered_method=True)
         self.FetchRecords = channel.unary_stream(
                 '/hastream.v1.StreamTable/FetchRecords',
                 request_serializer=proto_dot_hastream__pb2.FetchRecordsRequest.SerializeToString,
@@ -210,6 +215,12 @@ class StreamTableServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Read(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetOffsetForTime(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -365,6 +376,11 @@ def add_StreamTableServicer_to_server(servicer, server):
                     servicer.Read,
                     request_deserializer=proto_dot_hastream__pb2.ReadRequest.FromString,
                     response_serializer=proto_dot_hastream__pb2.RowBatch.SerializeToString,
+            ),
+            'GetOffsetForTime': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOffsetForTime,
+                    request_deserializer=proto_dot_hastream__pb2.OffsetForTimeRequest.FromString,
+                    response_serializer=proto_dot_hastream__pb2.OffsetForTime.SerializeToString,
             ),
             'FetchRecords': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchRecords,
@@ -646,6 +662,33 @@ class StreamTable:
             '/hastream.v1.StreamTable/Read',
             proto_dot_hastream__pb2.ReadRequest.SerializeToString,
             proto_dot_hastream__pb2.RowBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOffsetForTime(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hastream.v1.StreamTable/GetOffsetForTime',
+            proto_dot_hastream__pb2.OffsetForTimeRequest.SerializeToString,
+            proto_dot_hastream__pb2.OffsetForTime.FromString,
             options,
             channel_credentials,
             insecure,

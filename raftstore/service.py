@@ -188,6 +188,8 @@ def _message(group: list[RowSlice], table_row_count: int) -> pb.RowBatch:
         row_count=sum(rows.batch.num_rows for rows in group),
         payload=_ipc_stream(group),
         table_row_count=table_row_count,
+        slice_offsets=[rows.first_offset for rows in group],
+        slice_timestamps_ms=[rows.timestamp_ms for rows in group],
     )
 
 
@@ -421,6 +423,21 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
                     break
                 yield from _messages(slices, store.row_count)
                 position = slices[-1].first_offset + slices[-1].batch.num_rows
+
+    @unary
+    def GetOffsetForTime(self, request: pb.OffsetForTimeRequest, context: Any) -> pb.OffsetForTime:
+        self._require(context, "GetOffsetForTime", commands.Privilege.TABLE_READ, request.table)
+        # The leader: a follower that lags would answer its own end for a time it has not
+        # seen yet, and a subscription from there could begin before the time asked.
+        group = self._group_of(request.table, leader_only=True)
+        group.require_leader()
+        store = group.store(request.table)
+        end = store.row_count  # before the search: rows after it are newer than any before
+        found = store.offset_for_time(request.timestamp_ms)
+        if found is None:
+            return pb.OffsetForTime(table=request.table, found=False, offset=end, timestamp_ms=-1)
+        offset, stamp = found
+        return pb.OffsetForTime(table=request.table, found=True, offset=offset, timestamp_ms=stamp)
 
     @streaming
     @peer_only

@@ -25,10 +25,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RowSlice:
-    """Rows [first_offset, first_offset + batch.num_rows) of a table."""
+    """Rows [first_offset, first_offset + batch.num_rows) of a table, stamped together."""
 
     first_offset: int
     batch: pa.RecordBatch
+    timestamp_ms: int  # when the leader proposed them (ms since the epoch)
 
 
 class TableStore:
@@ -59,7 +60,7 @@ class TableStore:
             )
         )
         with self._lock:
-            self._cache_add(RowSlice(first_offset, batch))
+            self._cache_add(RowSlice(first_offset, batch, timestamp_ms))
             self.changed.notify_all()
 
     def sync(self) -> None:
@@ -123,7 +124,12 @@ class TableStore:
         schema = self.meta.schema
         for record in self.log.read(offset_from, offset_to):
             batch = pa.ipc.read_record_batch(pa.py_buffer(record.payload), schema)
-            yield RowSlice(record.first_offset, batch)
+            yield RowSlice(record.first_offset, batch, record.timestamp_ms)
+
+    def offset_for_time(self, timestamp_ms: int) -> tuple[int, int] | None:
+        """The first retained row stamped at or after `timestamp_ms` and its stamp; None when
+        every retained row is older (see TableLog.offset_for_time)."""
+        return self.log.offset_for_time(timestamp_ms)
 
     def read_keys(self, offset_from: int, offset_to: int, column: str) -> pa.Array:
         """The key column of rows [offset_from, offset_to) (rebuilding a dedup window)."""
@@ -172,5 +178,5 @@ def _slice(slices: list[RowSlice], offset_from: int, offset_to: int) -> list[Row
         batch = (
             rows.batch if (lo, hi) == (0, rows.batch.num_rows) else rows.batch.slice(lo, hi - lo)
         )
-        result.append(RowSlice(start + lo, batch))
+        result.append(RowSlice(start + lo, batch, rows.timestamp_ms))
     return result

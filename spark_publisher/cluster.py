@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from api_clients import TableInfo
+from api_clients import OffsetForTime, TableInfo
 from spark_publisher import clients
 from spark_publisher.options import HAStreamOptions
 
@@ -38,6 +38,12 @@ def table_info(options: HAStreamOptions, *, fresh: bool = False) -> TableInfo:
     if client.getStreamingLeader(info.raft_group):
         return client.getTableInfo(options.table)
     return info
+
+
+def offset_for_time(options: HAStreamOptions, timestamp_ms: int) -> OffsetForTime:
+    """The first retained row stamped at or after `timestamp_ms` (asked of the leader)."""
+    client = clients.session(options.sites, options.timeout_s, options.tls, options.login)
+    return client.offsetForTime(options.table, timestamp_ms)
 
 
 def commit_offset(options: HAStreamOptions, offset: int, timeout_s: float) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -60,6 +61,12 @@ KNOWN_OPTIONS: Final = (
     "keyFile",
     "userid",
     "password",
+    "startingTimestamp",
+    "startingOffsetsByTimestamp",
+    "startingOffsetsByTimestampStrategy",
+    "endingTimestamp",
+    "endingOffsetsByTimestamp",
+    "includeMetadata",
 )
 # Spark's Kafka connector's names for the same meaning (a Kafka job's options carry over).
 ALIASES: Final[dict[str, str]] = {
@@ -70,12 +77,8 @@ ALIASES: Final[dict[str, str]] = {
     "maxOffsetsPerTrigger": "maxRowsPerTrigger",
 }
 # Kafka connector options that would change what a query returns and that this source does
-# not implement: refused, never ignored (an ignored startingTimestamp would read everything).
+# not implement: refused, never ignored (an ignored minOffsetsPerTrigger would change batches).
 REFUSED: Final[dict[str, str]] = {
-    "startingTimestamp": "not supported yet: use startingOffsets",
-    "startingOffsetsByTimestamp": "not supported yet: use startingOffsets",
-    "endingTimestamp": "not supported yet: use endingOffsets",
-    "endingOffsetsByTimestamp": "not supported yet: use endingOffsets",
     "minOffsetsPerTrigger": "not supported yet: micro-batches take what is there",
     "maxTriggerDelay": "not supported yet (it goes with minOffsetsPerTrigger)",
     "minPartitions": "not the same meaning here: numPartitions caps the tasks of a batch",
@@ -98,6 +101,14 @@ class OptionError(ValueError):
         self.detail = detail
         shown = "missing" if value is None else f"{value!r}"
         super().__init__(f"hastream option {option}={shown}: {detail}")
+
+
+class TimestampStrategy(enum.Enum):
+    """Kafka's startingOffsetsByTimestampStrategy: what a start by time does when every
+    retained row is older than the time."""
+
+    ERROR = "error"  # refuse to start (Kafka's default)
+    LATEST = "latest"  # start after the last row
 
 
 class Position(enum.Enum):
@@ -127,6 +138,12 @@ class HAStreamOptions:
     tls: ClientTls | None = None  # tls=true, or any of caFile/certFile/keyFile
     # userid and password: every task's session logs in (a cluster with authentication=on).
     login: tuple[str, str] | None = field(default=None, repr=False)
+    # Start (and, for batch reads, end) by ingest time, ms since the epoch: the first row
+    # stamped at or after it. Over startingOffsets / endingOffsets when given, as in Kafka.
+    starting_timestamp: int | None = None
+    timestamp_strategy: TimestampStrategy = TimestampStrategy.ERROR
+    ending_timestamp: int | None = None
+    include_metadata: bool = False  # add _offset and _ingest_time to every row read
 
     @property
     def topic(self) -> str:
@@ -138,9 +155,10 @@ def parse(options: Mapping[str, str]) -> HAStreamOptions:
     """Parses Spark's option map (keys in any case). Raises OptionError."""
     values = _canonical({str(key).lower(): str(value) for key, value in options.items()})
     _check_unknown(values)
+    table = _name("table", values.get("table"), TABLE_BYTES_MAX)
     return HAStreamOptions(
         sites=_sites(values.get("sites")),
-        table=_name("table", values.get("table"), TABLE_BYTES_MAX),
+        table=table,
         action=_name("action", values.get("action", ACTION_DEFAULT), ACTION_BYTES_MAX),
         starting_offsets=_starting(values.get("startingoffsets")),
         ending_offsets=_ending(values.get("endingoffsets")),
@@ -161,7 +179,60 @@ def parse(options: Mapping[str, str]) -> HAStreamOptions:
         idempotency_token=_token(values.get("idempotencytoken")),
         tls=_tls(values),
         login=_login(values),
+        starting_timestamp=_by_timestamp(values, "starting", table),
+        timestamp_strategy=_strategy(values.get("startingoffsetsbytimestampstrategy")),
+        ending_timestamp=_by_timestamp(values, "ending", table),
+        include_metadata=_flag("includeMetadata", values.get("includemetadata")),
     )
+
+
+def _by_timestamp(values: Mapping[str, str], which: str, table: str) -> int | None:
+    """`<which>OffsetsByTimestamp` (Kafka's JSON, {"<table>": {"0": ms}}: a table has one
+    partition, 0) over `<which>Timestamp` (ms since the epoch), as Kafka ranks them."""
+    by_partition = values.get(f"{which}offsetsbytimestamp")
+    if by_partition is not None:
+        name = f"{which}OffsetsByTimestamp"
+        try:
+            parsed = json.loads(by_partition)
+        except ValueError as error:
+            raise OptionError(name, by_partition, f"not JSON: {error}") from None
+        expected = f'{{"{table}": {{"0": <ms since the epoch>}}}}'
+        if not isinstance(parsed, dict) or set(parsed) != {table}:
+            raise OptionError(name, by_partition, f"expected {expected}")
+        partitions = parsed[table]
+        if not isinstance(partitions, dict) or set(partitions) != {"0"}:
+            raise OptionError(name, by_partition, f"a table has one partition, 0: {expected}")
+        return _epoch_ms(name, str(partitions["0"]))
+    single = values.get(f"{which}timestamp")
+    return None if single is None else _epoch_ms(f"{which}Timestamp", single)
+
+
+def _epoch_ms(option: str, text: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise OptionError(option, text, "expected ms since the epoch (an integer)") from None
+    if value < 0:
+        raise OptionError(option, text, "must be >= 0")
+    return value
+
+
+def _strategy(text: str | None) -> TimestampStrategy:
+    if text is None:
+        return TimestampStrategy.ERROR
+    for strategy in TimestampStrategy:
+        if text.strip().lower() == strategy.value:
+            return strategy
+    raise OptionError("startingOffsetsByTimestampStrategy", text, "expected error or latest")
+
+
+def _flag(option: str, text: str | None) -> bool:
+    if text is None:
+        return False
+    word = text.strip().lower()
+    if word not in ("true", "false"):
+        raise OptionError(option, text, "expected true or false")
+    return word == "true"
 
 
 def _login(values: Mapping[str, str]) -> tuple[str, str] | None:

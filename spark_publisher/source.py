@@ -47,14 +47,23 @@ from api_clients import (
     TableNotFound,
     TopicNotFound,
 )
+from api_clients.times import METADATA_FIELDS
 from spark_publisher import clients, schema
 from spark_publisher.cluster import (
     PLANNING_TIMEOUT_S,
     TABLE_NOT_FOUND_RETRY_S,
     commit_offset,
+    offset_for_time,
     table_info,
 )
-from spark_publisher.options import HAStreamOptions, OptionError, Position, parse, split_range
+from spark_publisher.options import (
+    HAStreamOptions,
+    OptionError,
+    Position,
+    TimestampStrategy,
+    parse,
+    split_range,
+)
 from spark_publisher.sink import HAStreamStreamWriter, HAStreamWriter
 
 log = logging.getLogger(__name__)
@@ -107,8 +116,10 @@ class HAStreamDataSource(DataSource):
         return NAME
 
     def schema(self) -> StructType:
-        info = table_info(self.parsed)
-        return schema.spark_schema(self.parsed.table, info.schema)
+        columns = table_info(self.parsed).schema
+        if self.parsed.include_metadata:
+            columns = pa.schema([*columns, *METADATA_FIELDS], metadata=columns.metadata)
+        return schema.spark_schema(self.parsed.table, columns)
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return HAStreamReader(self.parsed, schema)
@@ -129,6 +140,8 @@ class HAStreamDataSource(DataSource):
 def resolve_start(options: HAStreamOptions, info: TableInfo, default: Position) -> int:
     """The first row to read for `startingOffsets` (or `default`). Raises DataLossError for
     a start below the earliest retained row."""
+    if options.starting_timestamp is not None:
+        return _start_by_time(options, options.starting_timestamp)
     wanted = options.starting_offsets if options.starting_offsets is not None else default
     if wanted is Position.EARLIEST:
         return info.earliest_offset
@@ -142,6 +155,27 @@ def resolve_start(options: HAStreamOptions, info: TableInfo, default: Position) 
     if start < info.earliest_offset:
         raise DataLossError(options.table, start, info.earliest_offset)
     return start
+
+
+def _start_by_time(options: HAStreamOptions, timestamp_ms: int) -> int:
+    """The first row stamped at or after `timestamp_ms`; when every retained row is older,
+    the next row (strategy latest) or an OptionError (error, Kafka's default)."""
+    answer = offset_for_time(options, timestamp_ms)
+    if not answer.found and options.timestamp_strategy is TimestampStrategy.ERROR:
+        raise OptionError(
+            "startingTimestamp",
+            str(timestamp_ms),
+            f"no row of {options.table!r} is stamped at or after it; "
+            "startingOffsetsByTimestampStrategy=latest starts with the next row instead",
+        )
+    log.info(
+        "start by time topic=%s timestamp_ms=%d offset=%d found=%s",
+        options.topic,
+        timestamp_ms,
+        answer.offset,
+        answer.found,
+    )
+    return answer.offset
 
 
 def _persisted_start(options: HAStreamOptions, info: TableInfo) -> int:
@@ -176,7 +210,7 @@ def _read_chunk(client: Session, options: HAStreamOptions, start: int, end: int)
     backoff = client.new_backoff(min(options.timeout_s, TABLE_NOT_FOUND_RETRY_S))
     while True:  # Bounded by `backoff`.
         try:
-            return client.read(options.table, start, end)
+            return client.read(options.table, start, end, includeMetadata=options.include_metadata)
         except OffsetOutOfRange as error:
             if start < error.earliest:
                 raise DataLossError(options.table, start, error.earliest) from error
@@ -208,7 +242,9 @@ class HAStreamReader(DataSourceReader):
         options = self._options
         info = table_info(options, fresh=True)
         start = resolve_start(options, info, default=Position.EARLIEST)
-        if options.ending_offsets is Position.LATEST:
+        if options.ending_timestamp is not None:  # the rows stamped before it (Kafka's rank)
+            end = offset_for_time(options, options.ending_timestamp).offset
+        elif options.ending_offsets is Position.LATEST:
             end = info.row_count
         else:
             assert isinstance(options.ending_offsets, int)

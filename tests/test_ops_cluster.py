@@ -116,6 +116,12 @@ def test_cli_commands_through_the_entry_point(cluster: LocalCluster, sites: str)
     assert tailed.returncode == 0, tailed.stderr
     rows = [json.loads(line) for line in tailed.stdout.splitlines()]
     assert [(row["_offset"], row["id"]) for row in rows] == [(i, i) for i in range(5)]
+    since = run_cli_raw("tail", "cli_t", "--since", "1d", "--limit", "5", "--json", *on)
+    assert since.returncode == 0, since.stderr
+    assert [json.loads(line)["_offset"] for line in since.stdout.splitlines()] == list(range(5))
+    refused = run_cli_raw("tail", "cli_t", "--since", "last week", *on)
+    assert refused.returncode == 2
+    assert "is not a time" in refused.stderr
 
     assert run_cli("remove-offset", "cli_t/agg", *on) == {"removed": "cli_t/agg"}
     assert run_cli("offsets", "cli_t", *on) == []

@@ -21,6 +21,7 @@ from hastream.errors import TransferFailed, from_wire, to_wire
 from hastream.model import NodeAddress
 from hastream_cli import render
 from hastream_cli.main import cli, parse_schema, resolve_sites
+from hastream_cli.since import since_ms
 from raftstore import config
 from raftstore.leadership import PreferredLeader
 from raftstore.metrics import registry_for
@@ -318,6 +319,21 @@ def test_tail_renders_offsets_and_json_rows() -> None:
         {"_offset": 40, "id": 7},
         {"_offset": 41, "id": 8},
     ]
+
+
+def test_since_takes_durations_iso_times_and_epoch_ms() -> None:
+    now = 1_800_000_000_000
+    assert since_ms("90s", now) == now - 90_000
+    assert since_ms("5m", now) == now - 300_000
+    assert since_ms("1.5h", now) == now - 5_400_000
+    assert since_ms("1d", now) == now - 86_400_000
+    assert since_ms("1700000000000", now) == 1_700_000_000_000
+    assert since_ms("2023-11-14T22:13:20Z", now) == 1_700_000_000_000
+    assert since_ms("2023-11-14T22:13:20", now) == 1_700_000_000_000  # UTC
+    assert since_ms("2023-11-15T00:13:20+02:00", now) == 1_700_000_000_000
+    for bad in ("last week", "5 minutes", "", "-5m"):
+        with pytest.raises(ValueError, match="is not a time"):
+            since_ms(bad, now)
 
 
 # --- monitoring files ------------------------------------------------------------------

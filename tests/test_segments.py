@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hastream.errors import CorruptionError, NodeUnavailable, OffsetOutOfRange
 from raftstore.storage.files import Fault, OpenFiles, SimFiles
@@ -721,3 +723,58 @@ def test_2000_tables_under_an_fd_limit_of_256(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fds" in result.stdout
+
+
+# --- the time index (offset_for_time) ---------------------------------------------------------
+
+
+def _first_stamped_at_or_after(stamps: list[tuple[int, int]], at: int) -> tuple[int, int] | None:
+    """The model: (first_offset, timestamp) of the first record stamped >= at."""
+    return next(((offset, stamp) for offset, stamp in stamps if stamp >= at), None)
+
+
+@given(
+    stamps=st.lists(st.integers(0, 50), min_size=0, max_size=40),
+    probes=st.lists(st.integers(-1, 52), min_size=1, max_size=8),
+    cut=st.integers(0, 40),
+)
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_offset_for_time_is_the_first_record_stamped_at_or_after(
+    tmp_path_factory: pytest.TempPathFactory,
+    stamps: list[int],
+    probes: list[int],
+    cut: int,
+) -> None:
+    """Stamps out of order (leaders' clocks disagree) included; the same answers after a
+    truncation and after the files are reopened (the index is rebuilt from the headers)."""
+    directory = tmp_path_factory.mktemp("times") / "t"
+    log = TableLog(directory, segment_bytes_max=3 * RECORD_BYTES)
+    records: list[tuple[int, int]] = []
+    for stamp in stamps:
+        records.append((log.row_count, stamp))
+        _append(log, 1, timestamp_ms=stamp)
+    for probe in probes:
+        assert log.offset_for_time(probe) == _first_stamped_at_or_after(records, probe)
+    if cut < len(records):
+        log.truncate_from(records[cut][0])
+        records = records[:cut]
+    log.sync()
+    log.close()
+    log = TableLog(directory, segment_bytes_max=3 * RECORD_BYTES)
+    for probe in probes:
+        assert log.offset_for_time(probe) == _first_stamped_at_or_after(records, probe)
+    log.close()
+
+
+def test_offset_for_time_skips_segments_removed_by_retention(table_dir: Path) -> None:
+    log = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+    for stamp in range(9):  # three segments of three records, stamped 0..8
+        _append(log, 1, timestamp_ms=stamp)
+    log.sync()
+    assert log.remove_segments_before(3, keep_rows=0) == 3 * ROWS
+    assert log.offset_for_time(0) == (3 * ROWS, 3), "before the earliest: the earliest"
+    assert log.offset_for_time(5) == (5 * ROWS, 5)
+    assert log.offset_for_time(9) is None, "after the newest: none"
+    log.close()

@@ -115,6 +115,7 @@ class _Segment:
         "positions",
         "removed",
         "size",
+        "times",
         "timestamp_ms_max",
     )
 
@@ -127,6 +128,10 @@ class _Segment:
         self.offsets = array("Q")
         self.positions = array("Q")
         self.lsns = array("Q")
+        # Per record, the newest timestamp up to it in this segment (a running maximum, so
+        # that it can be bisected even when leaders' clocks disagree): the first record
+        # whose entry is >= t is the first record stamped >= t (`TableLog.offset_for_time`).
+        self.times = array("q")
         # Weak: OpenFiles holds the handle and may drop it (closing the fd once nobody uses
         # it); whoever uses the segment takes a strong reference for one operation.
         self.handle: weakref.ref[FileHandle] | None = None
@@ -147,6 +152,9 @@ class _Segment:
         self.offsets.append(header.first_offset)
         self.positions.append(position)
         self.lsns.append(header.lsn)
+        self.times.append(
+            max(header.timestamp_ms, self.times[-1]) if self.times else header.timestamp_ms
+        )
         self.end_offset += header.row_count
         self.size = position + header.record_size
         if self.timestamp_ms_max is None or header.timestamp_ms > self.timestamp_ms_max:
@@ -161,6 +169,7 @@ class _Segment:
         del self.offsets[index:]
         del self.positions[index:]
         del self.lsns[index:]
+        del self.times[index:]
 
     def entries(self, offset_from: int, offset_to: int) -> list[_Entry]:
         """Up to _SNAPSHOT_RECORDS_MAX records overlapping [offset_from, offset_to)."""
@@ -451,6 +460,23 @@ class TableLog:
         for record in self.read(offset, offset + 1):
             return record
         raise OffsetOutOfRange(self._directory.name, offset, self.earliest_offset, self._row_count)
+
+    def offset_for_time(self, timestamp_ms: int) -> tuple[int, int] | None:
+        """The first retained record stamped at or after `timestamp_ms` (Kafka's
+        offsetsForTimes): its first offset and its timestamp; None when every retained
+        record is older. Records share their entry's timestamp, stamped by the leader that
+        proposed it; when leaders' clocks disagree, the first record stamped >= t wins even
+        if an older stamp follows it. Any thread; answered from the in-memory index (built
+        from the record headers when the files are opened)."""
+        with self._lock:
+            for segment in self._segments:
+                times = segment.times
+                if not times or times[-1] < timestamp_ms:
+                    continue
+                index = bisect.bisect_left(times, timestamp_ms)
+                # The running maximum rises at `index`: this is the record's own stamp.
+                return segment.offsets[index], times[index]
+        return None
 
     def remove_segments_before(self, timestamp_ms: int, *, keep_rows: int) -> int:
         """Retention: delete sealed segments, oldest first, while the segment's newest record

@@ -461,3 +461,61 @@ def test_a_stream_in_complete_mode_is_refused_naming_the_output_mode(
     with pytest.raises(Exception, match=r"outputMode\('append'\)"):
         run_in_complete_mode()
     assert spark_cluster.row_count(spark_cluster.leader(), "warmup") == before
+
+
+def _tick_after(ms: int) -> int:
+    """A wall-clock ms strictly after `ms` (polled)."""
+    wait_until(lambda: time.time_ns() // 1_000_000 > ms, timeout_s=5, message="the clock")
+    return time.time_ns() // 1_000_000
+
+
+def test_reads_start_and_end_by_ingest_time_with_metadata_columns(
+    spark: Any, spark_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    sites = sites_of(spark_cluster)
+    table = "by_time"
+    spark_cluster.create_table(table, READING_SCHEMA)
+    publisher = Publisher(session_of(spark_cluster), table)
+    times = []
+    for batch in range(3):  # rows [1000 * batch, 1000 * (batch + 1)), a clock tick apart
+        times.append(_tick_after(time.time_ns() // 1_000_000))
+        publisher.append(reading_rows(1000 * batch, 1000))
+
+    def reader(**options: str) -> Any:
+        read = spark.read.format("hastream").option("sites", sites).option("table", table)
+        for name, value in options.items():
+            read = read.option(name, value)
+        return read.load()
+
+    middle = reader(
+        startingTimestamp=str(times[1]), endingTimestamp=str(times[2]), includeMetadata="true"
+    ).toArrow()
+    assert middle.column_names == ["id", "ts", "device", "value", "_offset", "_ingest_time"]
+    assert sorted(middle.column("id").to_pylist()) == list(range(1000, 2000))
+    assert sorted(middle.column("_offset").to_pylist()) == list(range(1000, 2000))
+    stamps = {t.timestamp() * 1000 for t in middle.column("_ingest_time").to_pylist()}
+    assert len(stamps) == 1, "one publish, one stamp"
+    assert times[1] <= stamps.pop() <= times[2]
+
+    late = str(_tick_after(time.time_ns() // 1_000_000) + 60_000)
+    with pytest.raises(Exception, match="no row of 'by_time' is stamped at or after"):
+        reader(startingTimestamp=late).count()
+    assert reader(startingTimestamp=late, startingOffsetsByTimestampStrategy="latest").count() == 0
+
+    received: list[int] = []
+    query = (
+        spark.readStream.format("hastream")
+        .option("sites", sites)
+        .option("table", table)
+        .option("startingOffsetsByTimestamp", f'{{"{table}": {{"0": {times[2]}}}}}')
+        .load()
+        .writeStream.foreachBatch(
+            lambda batch, _: received.extend(batch.toArrow().column("id").to_pylist())
+        )
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(timeout=120)
+    assert query.exception() is None
+    assert sorted(received) == list(range(2000, 3000))

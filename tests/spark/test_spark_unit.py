@@ -25,6 +25,7 @@ from spark_publisher.options import (
     PARTITION_ROWS_MIN,
     OptionError,
     Position,
+    TimestampStrategy,
     parse,
     split_range,
 )
@@ -82,8 +83,6 @@ def test_kafka_connector_names_are_accepted_where_they_mean_the_same() -> None:
 @pytest.mark.parametrize(
     ("given", "message"),
     [
-        ({"startingTimestamp": "1700000000000"}, "startingTimestamp=.*not supported yet"),
-        ({"startingOffsetsByTimestamp": "{}"}, "not supported yet"),
         ({"minOffsetsPerTrigger": "10"}, "not supported yet"),
         ({"minPartitions": "4"}, "numPartitions caps"),
         ({"failOnDataLoss": "false"}, "only true"),
@@ -119,6 +118,46 @@ def test_bad_options_are_refused_with_the_option_and_value(
 ) -> None:
     with pytest.raises(OptionError, match=message):
         parse(given)
+
+
+def test_start_and_end_by_timestamp_take_kafkas_forms_and_rank() -> None:
+    base = {"sites": SITES, "table": "t"}
+    assert parse({**base, "startingTimestamp": "1700000000000"}).starting_timestamp == (
+        1_700_000_000_000
+    )
+    options = parse(
+        {
+            **base,
+            "startingTimestamp": "5",
+            "startingOffsetsByTimestamp": '{"t": {"0": 7}}',  # Kafka: this one wins
+            "startingOffsetsByTimestampStrategy": "LATEST",
+            "endingOffsetsByTimestamp": '{"t": {"0": 9}}',
+            "includeMetadata": "true",
+        }
+    )
+    assert (options.starting_timestamp, options.ending_timestamp) == (7, 9)
+    assert options.timestamp_strategy is TimestampStrategy.LATEST
+    assert options.include_metadata
+    defaults = parse(base)
+    assert (defaults.starting_timestamp, defaults.include_metadata) == (None, False)
+    assert defaults.timestamp_strategy is TimestampStrategy.ERROR
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"startingTimestamp": "yesterday"}, "startingTimestamp=.*ms since the epoch"),
+        ({"endingTimestamp": "-1"}, "must be >= 0"),
+        ({"startingOffsetsByTimestamp": "{"}, "not JSON"),
+        ({"startingOffsetsByTimestamp": '{"other": {"0": 1}}'}, 'expected {"t"'),
+        ({"startingOffsetsByTimestamp": '{"t": {"1": 1}}'}, "one partition, 0"),
+        ({"startingOffsetsByTimestampStrategy": "skip"}, "expected error or latest"),
+        ({"includeMetadata": "yes"}, "expected true or false"),
+    ],
+)
+def test_bad_timestamp_options_are_refused(given: dict[str, str], message: str) -> None:
+    with pytest.raises(OptionError, match=message):
+        parse({"sites": SITES, "table": "t", **given})
 
 
 def test_unknown_options_far_from_known_ones_are_ignored() -> None:
