@@ -43,6 +43,8 @@ TIMEOUT_S_MAX: Final = 3600.0
 ACTION_BYTES_MAX: Final = wire.ACTION_NAME_BYTES_MAX
 TABLE_BYTES_MAX: Final = wire.TABLE_NAME_BYTES_MAX
 IDEMPOTENCY_TOKEN_BYTES_MAX: Final = 1024
+MAX_TRIGGER_DELAY_S_DEFAULT: Final = 15 * 60.0  # Kafka's default, 15m
+_DURATION_UNITS_S: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0}
 
 KNOWN_OPTIONS: Final = (
     "sites",
@@ -51,6 +53,8 @@ KNOWN_OPTIONS: Final = (
     "startingOffsets",
     "endingOffsets",
     "maxRowsPerTrigger",
+    "minRowsPerTrigger",
+    "maxTriggerDelay",
     "batchRows",
     "numPartitions",
     "timeoutSec",
@@ -75,12 +79,11 @@ ALIASES: Final[dict[str, str]] = {
     "subscribe": "table",
     "topic": "table",
     "maxOffsetsPerTrigger": "maxRowsPerTrigger",
+    "minOffsetsPerTrigger": "minRowsPerTrigger",
 }
 # Kafka connector options that would change what a query returns and that this source does
 # not implement: refused, never ignored (an ignored minOffsetsPerTrigger would change batches).
 REFUSED: Final[dict[str, str]] = {
-    "minOffsetsPerTrigger": "not supported yet: micro-batches take what is there",
-    "maxTriggerDelay": "not supported yet (it goes with minOffsetsPerTrigger)",
     "minPartitions": "not the same meaning here: numPartitions caps the tasks of a batch",
     "assign": "a table has no partitions to assign: use table",
     "subscribePattern": "not supported: one table per source (table)",
@@ -131,6 +134,10 @@ class HAStreamOptions:
     starting_offsets: Offset | None  # None: the default of the read kind.
     ending_offsets: Offset  # Batch reads only: LATEST or a row offset.
     max_rows_per_trigger: int | None
+    # Kafka's minOffsetsPerTrigger: a micro-batch waits for this many new rows, at most
+    # max_trigger_delay_s after the last one (then it takes what is there).
+    min_rows_per_trigger: int | None = None
+    max_trigger_delay_s: float = MAX_TRIGGER_DELAY_S_DEFAULT
     batch_rows: int
     num_partitions: int
     timeout_s: float
@@ -156,7 +163,7 @@ def parse(options: Mapping[str, str]) -> HAStreamOptions:
     values = _canonical({str(key).lower(): str(value) for key, value in options.items()})
     _check_unknown(values)
     table = _name("table", values.get("table"), TABLE_BYTES_MAX)
-    return HAStreamOptions(
+    parsed = HAStreamOptions(
         sites=_sites(values.get("sites")),
         table=table,
         action=_name("action", values.get("action", ACTION_DEFAULT), ACTION_BYTES_MAX),
@@ -165,6 +172,10 @@ def parse(options: Mapping[str, str]) -> HAStreamOptions:
         max_rows_per_trigger=_optional_int(
             "maxRowsPerTrigger", values.get("maxrowspertrigger"), 1, 2**62
         ),
+        min_rows_per_trigger=_optional_int(
+            "minRowsPerTrigger", values.get("minrowspertrigger"), 1, 2**62
+        ),
+        max_trigger_delay_s=_duration("maxTriggerDelay", values.get("maxtriggerdelay")),
         batch_rows=_int(
             "batchRows", values.get("batchrows"), BATCH_ROWS_DEFAULT, 1, BATCH_ROWS_MAX
         ),
@@ -184,6 +195,10 @@ def parse(options: Mapping[str, str]) -> HAStreamOptions:
         ending_timestamp=_by_timestamp(values, "ending", table),
         include_metadata=_flag("includeMetadata", values.get("includemetadata")),
     )
+    low, high = parsed.min_rows_per_trigger, parsed.max_rows_per_trigger
+    if low is not None and high is not None and low > high:
+        raise OptionError("minRowsPerTrigger", str(low), f"above maxRowsPerTrigger={high}")
+    return parsed
 
 
 def _by_timestamp(values: Mapping[str, str], which: str, table: str) -> int | None:
@@ -215,6 +230,24 @@ def _epoch_ms(option: str, text: str) -> int:
     if value < 0:
         raise OptionError(option, text, "must be >= 0")
     return value
+
+
+def _duration(option: str, text: str | None) -> float:
+    """Kafka's duration form: a number and a unit (`500ms`, `30s`, `15m`, `1h`, `1d`)."""
+    if text is None:
+        return MAX_TRIGGER_DELAY_S_DEFAULT
+    word = text.strip().lower()
+    for unit in sorted(_DURATION_UNITS_S, key=len, reverse=True):  # "ms" before "s"
+        number = word.removesuffix(unit).strip()
+        if number != word:
+            try:
+                value = float(number) * _DURATION_UNITS_S[unit]
+            except ValueError:
+                break
+            if value <= 0:
+                raise OptionError(option, text, "must be > 0")
+            return value
+    raise OptionError(option, text, "expected a duration such as 500ms, 30s, 15m or 1h")
 
 
 def _strategy(text: str | None) -> TimestampStrategy:

@@ -19,6 +19,7 @@ persisted` on a fresh checkpoint); Spark delivers it one micro-batch late, which
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
@@ -35,6 +36,7 @@ from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
     ReadLimit,
     ReadMaxRows,
+    ReadMinRows,
     SupportsTriggerAvailableNow,
 )
 from pyspark.sql.types import StructType
@@ -278,6 +280,7 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._available_now_end: int | None = None
         self._row_count_seen: int | None = None
         self._committed: int | None = None
+        self._last_batch_at: float | None = None  # minRowsPerTrigger's clock (monotonic)
 
     def initialOffset(self) -> dict[str, int]:
         if self._initial is None:
@@ -287,6 +290,10 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {"offset": self._initial}
 
     def getDefaultReadLimit(self) -> ReadLimit:
+        if self._options.min_rows_per_trigger is not None:
+            # Spark has no composite limit for Python sources: the maximum, if any, comes
+            # from the options in latestOffset.
+            return ReadMinRows(self._options.min_rows_per_trigger)
         if self._options.max_rows_per_trigger is None:
             return ReadAllAvailable()
         return ReadMaxRows(self._options.max_rows_per_trigger)
@@ -315,9 +322,27 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         end = max(begin, info.row_count)
         if isinstance(limit, ReadMaxRows):
             end = min(end, begin + limit.max_rows)
+        if isinstance(limit, ReadMinRows):  # our default: the options' maximum applies too
+            if self._options.max_rows_per_trigger is not None:
+                end = min(end, begin + self._options.max_rows_per_trigger)
+            end = self._wait_for_rows(begin, end, limit.min_rows)
         if self._available_now_end is not None:
             end = min(end, max(begin, self._available_now_end))
         return {"offset": end}
+
+    def _wait_for_rows(self, begin: int, end: int, min_rows: int) -> int:
+        """Kafka's minOffsetsPerTrigger: no micro-batch (`begin`) while fewer than `min_rows`
+        rows wait, until maxTriggerDelay has passed since the last batch (or the query's
+        start); then the rows there are."""
+        now = time.monotonic()
+        if self._last_batch_at is None:
+            self._last_batch_at = now
+        waited_s = now - self._last_batch_at
+        if end - begin < min_rows and waited_s < self._options.max_trigger_delay_s:
+            return begin
+        if end > begin:
+            self._last_batch_at = now
+        return end
 
     def reportLatestOffset(self) -> dict[str, int] | None:
         if self._row_count_seen is None:

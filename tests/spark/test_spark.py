@@ -519,3 +519,49 @@ def test_reads_start_and_end_by_ingest_time_with_metadata_columns(
     query.awaitTermination(timeout=120)
     assert query.exception() is None
     assert sorted(received) == list(range(2000, 3000))
+
+
+def test_min_rows_per_trigger_waits_for_rows_until_the_max_delay(
+    spark: Any, spark_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Kafka's minOffsetsPerTrigger and maxTriggerDelay: 100 rows wait (no micro-batch) until
+    the delay has passed since the query started; 600 rows go at once."""
+    sites = sites_of(spark_cluster)
+    table = "min_rows"
+    spark_cluster.create_table(table, READING_SCHEMA)
+    publisher = Publisher(session_of(spark_cluster), table)
+    batches: list[tuple[float, int]] = []
+    delay_s = 4.0
+
+    def collect(batch: Any, batch_id: int) -> None:
+        rows = batch.count()
+        if rows:
+            batches.append((time.monotonic(), rows))
+
+    query = (
+        spark.readStream.format("hastream")
+        .option("sites", sites)
+        .option("table", table)
+        .option("startingOffsets", "earliest")
+        .option("minOffsetsPerTrigger", "500")
+        .option("maxTriggerDelay", f"{delay_s}s")
+        .load()
+        .writeStream.foreachBatch(collect)
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+    try:
+        started = time.monotonic()
+        publisher.append(reading_rows(0, 100))
+        wait_until(lambda: len(batches) >= 1, timeout_s=60, message="the delayed batch")
+        assert batches[0][1] == 100
+        assert batches[0][0] - started >= delay_s - 0.5, "fewer rows wait for the delay"
+        sent = time.monotonic()
+        publisher.append(reading_rows(100, 600))
+        wait_until(lambda: len(batches) >= 2, timeout_s=60, message="the full batch")
+        assert batches[1][1] == 600
+        assert batches[1][0] - sent < delay_s, "enough rows go at once"
+    finally:
+        query.stop()
+    assert query.exception() is None

@@ -83,7 +83,7 @@ def test_kafka_connector_names_are_accepted_where_they_mean_the_same() -> None:
 @pytest.mark.parametrize(
     ("given", "message"),
     [
-        ({"minOffsetsPerTrigger": "10"}, "not supported yet"),
+        ({"assign": '{"t": [0]}'}, "no partitions to assign"),
         ({"minPartitions": "4"}, "numPartitions caps"),
         ({"failOnDataLoss": "false"}, "only true"),
         ({"subscribe": "other"}, "contradicts table='t'"),
@@ -141,6 +141,21 @@ def test_start_and_end_by_timestamp_take_kafkas_forms_and_rank() -> None:
     defaults = parse(base)
     assert (defaults.starting_timestamp, defaults.include_metadata) == (None, False)
     assert defaults.timestamp_strategy is TimestampStrategy.ERROR
+
+
+def test_min_rows_per_trigger_takes_kafkas_names_and_durations() -> None:
+    base = {"sites": SITES, "table": "t"}
+    options = parse({**base, "minOffsetsPerTrigger": "500", "maxTriggerDelay": "1.5s"})
+    assert (options.min_rows_per_trigger, options.max_trigger_delay_s) == (500, 1.5)
+    assert parse({**base, "maxTriggerDelay": "250ms"}).max_trigger_delay_s == 0.25
+    assert parse(base).max_trigger_delay_s == 15 * 60.0, "Kafka's default"
+    for bad, message in [
+        ({"maxTriggerDelay": "soon"}, "expected a duration"),
+        ({"maxTriggerDelay": "0s"}, "must be > 0"),
+        ({"minRowsPerTrigger": "10", "maxRowsPerTrigger": "5"}, "above maxRowsPerTrigger=5"),
+    ]:
+        with pytest.raises(OptionError, match=message):
+            parse({**base, **bad})
 
 
 @pytest.mark.parametrize(
