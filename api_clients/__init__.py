@@ -36,7 +36,7 @@ from api_clients.writer import (
     WriterStatus,
     WriterStopped,
 )
-from hastream import errors
+from hastream import __version__, errors
 from hastream.errors import (
     BatchTooLarge,
     CorruptionError,
@@ -109,6 +109,7 @@ __all__ = [
     "UserNotFound",
     "WriterStatus",
     "WriterStopped",
+    "__version__",
     "connect",
     "errors",
     "parse_site",
