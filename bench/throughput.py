@@ -732,82 +732,139 @@ def _target_lines(summaries: list[Summary]) -> list[str]:
 
 
 def chart(summaries: list[Summary], path: Path) -> None:
-    """Unary cells only (the pipelined ones are in the table)."""
+    """One panel per column count over the batch sizes (unary cells), and one per
+    (columns, threads, batch) that has pipelined cells, over the windows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summaries = [s for s in summaries if not s.pipeline]
-    columns_list = sorted({s.columns for s in summaries})
-    figure, axes = plt.subplots(
-        1, len(columns_list), figsize=(7 * len(columns_list), 5), squeeze=False
-    )
-    series = [(1, "ha"), (1, "local"), (4, "ha"), (4, "local")]
-    colors = {
-        (1, "ha"): "#1f77b4",
-        (1, "local"): "#aec7e8",
-        (4, "ha"): "#d62728",
-        (4, "local"): "#ff9896",
-    }
-    width = 0.2
-    for axis, columns in zip(axes[0], columns_list, strict=True):
-        cells = [s for s in summaries if s.columns == columns]
-        batches = sorted({s.batch_rows for s in cells})
-        for index, (threads, mode) in enumerate(series):
-            xs, ys, refs = [], [], []
-            for position, batch_rows in enumerate(batches):
-                match = [s for s in cells if (s.threads, s.batch_rows) == (threads, batch_rows)]
-                if not match:
-                    continue
-                x = position + (index - 1.5) * width
-                xs.append(x)
-                ys.append(getattr(match[0], mode)["rows_per_s"])
-                reference = DOLPHINDB.get((columns, threads, batch_rows))
-                if reference is not None:
-                    value = reference.ha_rows_per_s if mode == "ha" else reference.normal_rows_per_s
-                    refs.append((x, value))
-            if xs:
-                axis.bar(
-                    xs,
-                    ys,
-                    width,
-                    color=colors[threads, mode],
-                    label=f"{threads} thread{'s' if threads > 1 else ''}, {MODE_LABEL[mode]}",
-                )
-            if refs:
-                axis.scatter(
-                    [x for x, _ in refs],
-                    [y for _, y in refs],
-                    marker="_",
-                    s=300,
-                    color="black",
-                    zorder=3,
-                    label="DolphinDB (published)" if index == 0 else None,
-                )
-        for position, batch_rows in enumerate(batches):
-            for threads, offset in ((1, -1.0), (4, 1.0)):
-                match = [s for s in cells if (s.threads, s.batch_rows) == (threads, batch_rows)]
-                if match and not math.isnan(match[0].ratio):
-                    axis.annotate(
-                        f"{match[0].ratio:.0%}",
-                        (position + offset * width, match[0].ha["rows_per_s"]),
-                        textcoords="offset points",
-                        xytext=(0, 12),
-                        ha="center",
-                        fontsize=8,
-                    )
-        axis.set_xticks(range(len(batches)), [f"{b:,}" for b in batches])
-        axis.set_yscale("log")
-        axis.set_xlabel("rows per publish (batch)")
-        axis.set_ylabel("rows/s")
-        axis.set_title(f"{columns} columns (labels: HA/non-HA)")
-        axis.grid(axis="y", which="both", alpha=0.3)
-        axis.legend(fontsize=8, loc="upper left")
+    unary = [s for s in summaries if not s.pipeline]
+    pipelined = sorted({(s.columns, s.threads, s.batch_rows) for s in summaries if s.pipeline})
+    # A window scan's unary cells are its panels' first bars: no batch panel for them.
+    scan_only = all((s.columns, s.threads, s.batch_rows) in pipelined for s in unary)
+    columns_list = [] if scan_only else sorted({s.columns for s in unary})
+    panels = len(columns_list) + len(pipelined)
+    figure, axes = plt.subplots(1, panels, figsize=(7 * panels, 5), squeeze=False)
+    for axis, columns in zip(axes[0], columns_list, strict=False):
+        _batch_panel(axis, [s for s in unary if s.columns == columns], columns)
+    for axis, (columns, threads, batch_rows) in zip(
+        axes[0][len(columns_list) :], pipelined, strict=True
+    ):
+        cells = [
+            s
+            for s in summaries
+            if (s.columns, s.threads, s.batch_rows) == (columns, threads, batch_rows)
+        ]
+        _window_panel(axis, sorted(cells, key=lambda s: s.pipeline), columns, threads, batch_rows)
     figure.suptitle("HA (3 replicas, fsynced majority) vs non-HA (local journal) write rows/s")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+_SERIES_COLORS: Final = {
+    (1, "ha"): "#1f77b4",
+    (1, "local"): "#aec7e8",
+    (4, "ha"): "#d62728",
+    (4, "local"): "#ff9896",
+}
+_BAR_WIDTH: Final = 0.2
+
+
+def _batch_panel(axis: Any, cells: list[Summary], columns: int) -> None:
+    """Rows/s per batch size: 1 and 4 threads, HA and non-HA, DolphinDB's marks."""
+    batches = sorted({s.batch_rows for s in cells})
+    reference_labelled = False
+    for index, (threads, mode) in enumerate(_SERIES_COLORS):
+        xs, ys, refs = [], [], []
+        for position, batch_rows in enumerate(batches):
+            match = [s for s in cells if (s.threads, s.batch_rows) == (threads, batch_rows)]
+            if not match:
+                continue
+            x = position + (index - 1.5) * _BAR_WIDTH
+            xs.append(x)
+            ys.append(getattr(match[0], mode)["rows_per_s"])
+            reference = DOLPHINDB.get((columns, threads, batch_rows))
+            if reference is not None:
+                value = reference.ha_rows_per_s if mode == "ha" else reference.normal_rows_per_s
+                refs.append((x, value))
+        if xs:
+            axis.bar(
+                xs,
+                ys,
+                _BAR_WIDTH,
+                color=_SERIES_COLORS[threads, mode],
+                label=f"{threads} thread{'s' if threads > 1 else ''}, {MODE_LABEL[mode]}",
+            )
+        if refs:
+            axis.scatter(
+                [x for x, _ in refs],
+                [y for _, y in refs],
+                marker="_",
+                s=300,
+                color="black",
+                zorder=3,
+                label=None if reference_labelled else "DolphinDB (published)",
+            )
+            reference_labelled = True
+    for position, batch_rows in enumerate(batches):
+        for threads, offset in ((1, -1.0), (4, 1.0)):
+            match = [s for s in cells if (s.threads, s.batch_rows) == (threads, batch_rows)]
+            if match and not math.isnan(match[0].ratio):
+                axis.annotate(
+                    f"{match[0].ratio:.0%}",
+                    (position + offset * _BAR_WIDTH, match[0].ha["rows_per_s"]),
+                    textcoords="offset points",
+                    xytext=(0, 12),
+                    ha="center",
+                    fontsize=8,
+                )
+    # A fixed range: one batch size alone would otherwise stretch its bars over the panel.
+    axis.set_xlim(-0.5, len(batches) - 0.5)
+    axis.set_xticks(range(len(batches)), [f"{b:,}" for b in batches])
+    axis.set_yscale("log")
+    axis.set_xlabel("rows per publish (batch)")
+    axis.set_ylabel("rows/s")
+    axis.set_title(f"{columns} columns (labels: HA/non-HA)")
+    axis.grid(axis="y", which="both", alpha=0.3)
+    axis.legend(fontsize=8, loc="upper left")
+
+
+def _window_panel(
+    axis: Any, cells: list[Summary], columns: int, threads: int, batch_rows: int
+) -> None:
+    """Rows/s per pipeline window (unary first) of one cell: HA and non-HA side by side."""
+    for index, mode in enumerate(("ha", "local")):
+        xs = [position + (index - 0.5) * 2 * _BAR_WIDTH for position in range(len(cells))]
+        axis.bar(
+            xs,
+            [getattr(cell, mode)["rows_per_s"] for cell in cells],
+            2 * _BAR_WIDTH,
+            color=_SERIES_COLORS[4, mode],
+            label=MODE_LABEL[mode],
+        )
+    for position, cell in enumerate(cells):
+        if not math.isnan(cell.ratio):
+            axis.annotate(
+                f"{cell.ratio:.0%}",
+                (position - _BAR_WIDTH, cell.ha["rows_per_s"]),
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+                fontsize=8,
+            )
+    axis.set_xlim(-0.5, len(cells) - 0.5)
+    axis.set_xticks(range(len(cells)), [_window(cell.pipeline) for cell in cells])
+    axis.set_yscale("log")
+    axis.set_xlabel("requests in flight per thread")
+    axis.set_ylabel("rows/s")
+    axis.set_title(
+        f"{columns} columns, {threads} thread{'s' if threads > 1 else ''}, "
+        f"{batch_rows:,} row{'s' if batch_rows > 1 else ''} per publish (labels: HA/non-HA)"
+    )
+    axis.grid(axis="y", which="both", alpha=0.3)
+    axis.legend(fontsize=8, loc="upper left")
 
 
 # --- main -----------------------------------------------------------------------------------
