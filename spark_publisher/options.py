@@ -71,6 +71,7 @@ KNOWN_OPTIONS: Final = (
     "endingTimestamp",
     "endingOffsetsByTimestamp",
     "includeMetadata",
+    "failOnDataLoss",
 )
 # Spark's Kafka connector's names for the same meaning (a Kafka job's options carry over).
 ALIASES: Final[dict[str, str]] = {
@@ -151,6 +152,9 @@ class HAStreamOptions:
     timestamp_strategy: TimestampStrategy = TimestampStrategy.ERROR
     ending_timestamp: int | None = None
     include_metadata: bool = False  # add _offset and _ingest_time to every row read
+    # Kafka's failOnDataLoss: false skips rows retention removed before they were read
+    # (with a warning) instead of failing the query.
+    fail_on_data_loss: bool = True
 
     @property
     def topic(self) -> str:
@@ -194,6 +198,7 @@ def parse(options: Mapping[str, str]) -> HAStreamOptions:
         timestamp_strategy=_strategy(values.get("startingoffsetsbytimestampstrategy")),
         ending_timestamp=_by_timestamp(values, "ending", table),
         include_metadata=_flag("includeMetadata", values.get("includemetadata")),
+        fail_on_data_loss=_flag("failOnDataLoss", values.get("failondataloss", "true")),
     )
     low, high = parsed.min_rows_per_trigger, parsed.max_rows_per_trigger
     if low is not None and high is not None and low > high:
@@ -296,20 +301,13 @@ def _tls(values: Mapping[str, str]) -> ClientTls | None:
 
 def _canonical(values: dict[str, str]) -> dict[str, str]:
     """Kafka's names replaced by this source's; refuses the Kafka options it does not
-    implement, `failOnDataLoss=false` (it always fails rather than skip rows), and an alias
-    that contradicts the option it stands for."""
+    implement, and an alias that contradicts the option it stands for."""
     refused = {name.lower(): (name, reason) for name, reason in REFUSED.items()}
     canonical = dict(values)
     for key, value in values.items():
         if key in refused:
             name, reason = refused[key]
             raise OptionError(name, value, reason)
-        if key == "failondataloss":
-            if value.lower() != "true":
-                raise OptionError(
-                    "failOnDataLoss", value, "only true: a query never skips unread rows"
-                )
-            del canonical[key]
     for alias, name in ALIASES.items():
         if alias.lower() not in canonical:
             continue

@@ -78,7 +78,7 @@ READ_CHUNK_ROWS: Final = 200_000
 
 class DataLossError(RuntimeError):
     """Rows the query has not read yet are no longer retained by the cluster. Like Kafka's
-    failOnDataLoss, the query fails instead of skipping them."""
+    failOnDataLoss (true by default), the query fails instead of skipping them."""
 
     def __init__(self, table: str, offset: int, earliest: int) -> None:
         self.table = table
@@ -87,8 +87,8 @@ class DataLossError(RuntimeError):
         super().__init__(
             f"hastream: table {table!r} no longer retains rows [{offset}, {earliest}) that this "
             f"query has not read (the earliest retained row is {earliest}). Refusing to skip "
-            "them silently; to skip them knowingly, start a new checkpoint with "
-            "startingOffsets=earliest."
+            "them silently; to skip them knowingly, set failOnDataLoss=false or start a new "
+            "checkpoint with startingOffsets=earliest."
         )
 
 
@@ -155,8 +155,23 @@ def resolve_start(options: HAStreamOptions, info: TableInfo, default: Position) 
         assert isinstance(wanted, int), wanted
         start = wanted
     if start < info.earliest_offset:
-        raise DataLossError(options.table, start, info.earliest_offset)
+        return data_lost(options, start, info.earliest_offset)
     return start
+
+
+def data_lost(options: HAStreamOptions, offset: int, earliest: int) -> int:
+    """Rows `[offset, earliest)` are no longer retained: DataLossError, or with
+    `failOnDataLoss=false` a warning and `earliest`, where reading goes on."""
+    if options.fail_on_data_loss:
+        raise DataLossError(options.table, offset, earliest)
+    log.warning(
+        "failOnDataLoss=false: skipping rows no longer retained table=%s rows=[%d, %d) count=%d",
+        options.table,
+        offset,
+        earliest,
+        earliest - offset,
+    )
+    return earliest
 
 
 def _start_by_time(options: HAStreamOptions, timestamp_ms: int) -> int:
@@ -199,7 +214,11 @@ def read_rows(
     position = start
     while position < end:  # Bounded: every turn advances by a chunk or raises.
         stop = min(end, position + READ_CHUNK_ROWS)
-        rows = _read_chunk(client, options, position, stop)
+        try:
+            rows = _read_chunk(client, options, position, stop)
+        except DataLossError as lost:  # retention removed them since the batch was planned
+            position = data_lost(options, position, lost.earliest)
+            continue
         if rows.num_rows != stop - position:  # The client promises a complete range.
             raise RuntimeError(f"read [{position}, {stop}) returned {rows.num_rows} rows")
         yield from schema.to_spark_batches(rows, target)
@@ -315,8 +334,8 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # reason to. "No new data" keeps it alive until the cluster answers again.
             log.warning("latestOffset: cluster unavailable, no new data: %s", error)
             return {"offset": begin}
-        if begin < info.earliest_offset:
-            raise DataLossError(self._options.table, begin, info.earliest_offset)
+        if begin < info.earliest_offset:  # raises, or the batch's read skips the lost rows
+            data_lost(self._options, begin, info.earliest_offset)
         self._row_count_seen = info.row_count
         # A lagging follower may answer a row count below `begin`: no new data then.
         end = max(begin, info.row_count)

@@ -565,3 +565,60 @@ def test_min_rows_per_trigger_waits_for_rows_until_the_max_delay(
     finally:
         query.stop()
     assert query.exception() is None
+
+
+PADDED_SCHEMA = pa.schema([("id", pa.int64()), ("pad", pa.string())])
+PAD = "x" * 1000  # ~1 KB a row: a 64 MiB data segment fills with ~65,000 rows
+
+
+def _segment_files(cluster: LocalCluster, alias: str, table: str) -> list[Path]:
+    persistence = cluster.root / alias / "persistence"
+    return sorted(
+        path
+        for path in persistence.rglob("seg-*.dat")
+        if path.parent.name.split(".")[0] == table and not path.parent.parent.name.startswith(".")
+    )
+
+
+def test_fail_on_data_loss_false_skips_rows_retention_removed(spark: Any, tmp_path: Path) -> None:
+    """Rows a query has not read are gone (what retention does: every replica's oldest sealed
+    segment deleted): by default the read fails naming the lost range; with
+    failOnDataLoss=false it warns and goes on from the earliest retained row."""
+    cluster = LocalCluster(tmp_path / "cluster").start()
+    try:
+        cluster.create_table("lossy", PADDED_SCHEMA)
+        publisher = Publisher(session_of(cluster), "lossy")
+        total = 0
+        while len(_segment_files(cluster, "node1", "lossy")) < 2:
+            ids = range(total, total + 5000)
+            publisher.append(pa.table({"id": list(ids), "pad": [PAD] * 5000}, PADDED_SCHEMA))
+            total += 5000
+            assert total < 1_000_000, "no second data segment"
+        wait_until(
+            lambda: all(cluster.row_count(alias, "lossy") == total for alias in cluster.nodes),
+            timeout_s=60,
+            message="every replica has the rows",
+        )
+        cluster.stop()
+        retained = set()
+        for alias in cluster.nodes:
+            first, second, *_ = _segment_files(cluster, alias, "lossy")
+            first.unlink()
+            retained.add(int(second.name.removeprefix("seg-").removesuffix(".dat")))
+        (retained_from,) = retained
+        cluster.start()
+        sites = sites_of(cluster)
+
+        def read(**options: str) -> Any:
+            reader = spark.read.format("hastream").option("sites", sites)
+            reader = reader.option("table", "lossy").option("startingOffsets", "0")
+            for name, value in options.items():
+                reader = reader.option(name, value)
+            return reader.load().select("id")
+
+        with pytest.raises(Exception, match=f"no longer retains rows \\[0, {retained_from}\\)"):
+            read().count()
+        ids = read(failOnDataLoss="false").toArrow().column("id").to_pylist()
+        assert sorted(ids) == list(range(retained_from, total))
+    finally:
+        cluster.stop()

@@ -78,6 +78,8 @@ def test_kafka_connector_names_are_accepted_where_they_mean_the_same() -> None:
         1000,
     )
     assert parse({"bootstrap.servers": SITES, "topic": "t", "table": "t"}).table == "t"
+    assert parse({"sites": SITES, "table": "t"}).fail_on_data_loss, "Kafka's default"
+    assert not parse({"sites": SITES, "table": "t", "failOnDataLoss": "false"}).fail_on_data_loss
 
 
 @pytest.mark.parametrize(
@@ -85,7 +87,7 @@ def test_kafka_connector_names_are_accepted_where_they_mean_the_same() -> None:
     [
         ({"assign": '{"t": [0]}'}, "no partitions to assign"),
         ({"minPartitions": "4"}, "numPartitions caps"),
-        ({"failOnDataLoss": "false"}, "only true"),
+        ({"failOnDataLoss": "maybe"}, "failOnDataLoss='maybe': expected true or false"),
         ({"subscribe": "other"}, "contradicts table='t'"),
     ],
 )
