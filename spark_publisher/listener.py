@@ -34,10 +34,13 @@ class HAStreamOffsetListener(StreamingQueryListener):
     """Persists the end offset of the hastream source of `table` after every micro-batch.
 
     Spark describes a Python streaming source only by its class (no name, no options), so
-    the query is matched by its name (`writeStream.queryName(...)`), and its one Python
-    streaming source whose offsets look like hastream's is taken. With several Python
-    sources in one query, pass `source_index` (its position in `progress.sources`).
-    Runs on the driver's listener thread; `persisted` is the last offset it stored.
+    the query is matched by its name (`writeStream.queryName(...)`), and its Python
+    streaming source whose offsets name `table` is taken (offsets written before they named
+    the table, `{"offset": N}`, count as this table's when they are the query's only ones).
+    With several sources of one table in one query, pass `source_index` (its position in
+    `progress.sources`). Runs on the driver's listener thread; `persisted` is the last
+    offset it stored, `rows_behind_latest` how far the last micro-batch ended behind the
+    table's row count when it was planned (Kafka's offsetsBehindLatest).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class HAStreamOffsetListener(StreamingQueryListener):
         self._source_index = source_index
         self._lock = threading.Lock()
         self.persisted: int | None = None
+        self.rows_behind_latest: int | None = None
         self.failures = 0
 
     def onQueryStarted(self, event: Any) -> None:
@@ -89,25 +93,28 @@ class HAStreamOffsetListener(StreamingQueryListener):
             return
         sources = list(progress.sources)
         if self._source_index is not None:
-            if self._source_index < len(sources):
-                end = _end_offset(sources[self._source_index])
-                if end is not None:
-                    self._persist(end - 1)
-            return
+            ours = sources[self._source_index : self._source_index + 1]
+        else:
+            ours = [source for source in sources if is_python_stream_source(source.description)]
+        table = self._options.table
         ends = [
-            end
-            for source in sources
-            if is_python_stream_source(source.description)
-            and (end := _end_offset(source)) is not None
+            (source, end)
+            for source in ours
+            if (end := _offset_of(source.endOffset, table)) is not None
         ]
-        if len(ends) == 1:
-            self._persist(ends[0] - 1)
-        elif len(ends) > 1:
+        if len(ends) > 1:
             log.warning(
-                "query %s has %d Python streaming sources: pass source_index",
+                "query %s has %d Python streaming sources of %s: pass source_index",
                 progress.name,
                 len(ends),
+                table,
             )
+            return
+        if ends:
+            source, end = ends[0]
+            latest = _offset_of(source.latestOffset, table)
+            self.rows_behind_latest = None if latest is None else max(0, latest - end)
+            self._persist(end - 1)
 
     def _persist(self, last: int) -> None:
         with self._lock:
@@ -131,12 +138,15 @@ def is_python_stream_source(description: str) -> bool:
     return "PythonMicroBatchStream" in description
 
 
-def _end_offset(source: Any) -> int | None:
-    """The end offset N of a source progress whose offsets are `{"offset": N}`."""
+def _offset_of(text: str | None, table: str) -> int | None:
+    """N of an offset `{"table": table, "offset": N}` (or `{"offset": N}`, written before
+    offsets named the table) in a progress's JSON; None for anything else."""
     try:
-        end = json.loads(source.endOffset or "null")
+        offset = json.loads(text or "null")
     except ValueError:
         return None
-    if not isinstance(end, dict) or set(end) != {"offset"} or not isinstance(end["offset"], int):
+    if not isinstance(offset, dict) or not isinstance(offset.get("offset"), int):
         return None
-    return int(end["offset"])
+    if set(offset) - {"table", "offset"} or offset.get("table", table) != table:
+        return None
+    return int(offset["offset"])

@@ -1,8 +1,9 @@
 """Reading an HA stream table from Spark: batch reads and a structured-streaming source.
 
-Offsets are `{"offset": N}`, N a table row offset; a micro-batch (or a batch read) covers the
-half-open range `[start, end)`. Rows of a range are immutable once committed, so any replica
-can serve them and a replayed micro-batch reads exactly the same rows.
+Offsets are `{"table": T, "offset": N}`, N a table row offset; a micro-batch (or a batch
+read) covers the half-open range `[start, end)`. Rows of a range are immutable once
+committed, so any replica can serve them and a replayed micro-batch reads exactly the same
+rows.
 
 Which object runs where (pyspark 4.3, see PYSPARK-FACTS.md section 2):
 - `HAStreamStreamReader` instance 1 lives in the driver's streaming source runner for the
@@ -306,7 +307,7 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             info = table_info(self._options, fresh=True)
             self._initial = resolve_start(self._options, info, default=Position.LATEST)
             log.info("initial offset topic=%s offset=%d", self._options.topic, self._initial)
-        return {"offset": self._initial}
+        return offset_dict(self._options.table, self._initial)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self._options.min_rows_per_trigger is not None:
@@ -324,7 +325,7 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         )
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
-        begin = _offset(start)
+        begin = _offset(start, self._options.table)
         try:
             info = table_info(self._options)
         except RaftStoreError as error:
@@ -333,7 +334,7 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # An exception here would kill the query; an election or an outage is not a
             # reason to. "No new data" keeps it alive until the cluster answers again.
             log.warning("latestOffset: cluster unavailable, no new data: %s", error)
-            return {"offset": begin}
+            return offset_dict(self._options.table, begin)
         if begin < info.earliest_offset:  # raises, or the batch's read skips the lost rows
             data_lost(self._options, begin, info.earliest_offset)
         self._row_count_seen = info.row_count
@@ -347,7 +348,7 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             end = self._wait_for_rows(begin, end, limit.min_rows)
         if self._available_now_end is not None:
             end = min(end, max(begin, self._available_now_end))
-        return {"offset": end}
+        return offset_dict(self._options.table, end)
 
     def _wait_for_rows(self, begin: int, end: int, min_rows: int) -> int:
         """Kafka's minOffsetsPerTrigger: no micro-batch (`begin`) while fewer than `min_rows`
@@ -366,10 +367,12 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def reportLatestOffset(self) -> dict[str, int] | None:
         if self._row_count_seen is None:
             return None
-        return {"offset": self._row_count_seen}
+        return offset_dict(self._options.table, self._row_count_seen)
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        return _partitions(self._options, _offset(start), _offset(end))
+        return _partitions(
+            self._options, _offset(start, self._options.table), _offset(end, self._options.table)
+        )
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, RangePartition), type(partition)
@@ -379,7 +382,7 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Persists `end - 1`, the last row of the committed micro-batch. Best effort: a
         failure is logged, not raised (it would kill the query, and the checkpoint, not this
         offset, is what a restart resumes from)."""
-        last = _offset(end) - 1
+        last = _offset(end, self._options.table) - 1
         if last < 0 or last == self._committed:
             return
         try:
@@ -399,8 +402,27 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         log.info("stream reader stopped topic=%s", self._options.topic)
 
 
-def _offset(offset: dict[str, Any]) -> int:
+def offset_dict(table: str, offset: int) -> dict[str, Any]:
+    """A Spark offset of this source. It names the table, so the query's progress does
+    (`sources[i].startOffset/endOffset/latestOffset`; Spark describes a Python source only
+    by its class), and a checkpoint pointed at another table is refused."""
+    return {"table": table, "offset": offset}
+
+
+def _offset(offset: dict[str, Any], table: str) -> int:
+    """N of an offset of `table`; `{"offset": N}` too (written before offsets named the
+    table). Raises OptionError for another table's offset (a reused checkpointLocation)."""
     value = offset.get("offset")
-    if not isinstance(value, int) or value < 0:
-        raise ValueError(f"hastream: malformed offset {offset!r}; expected {{'offset': N >= 0}}")
+    named = offset.get("table", table)
+    if not isinstance(value, int) or value < 0 or set(offset) - {"table", "offset"}:
+        raise ValueError(
+            f"hastream: malformed offset {offset!r}; expected {{'table': T, 'offset': N >= 0}}"
+        )
+    if named != table:
+        raise OptionError(
+            "table",
+            table,
+            f"the checkpoint holds offsets of table {named!r}: "
+            "a query on another table needs a new checkpointLocation",
+        )
     return value

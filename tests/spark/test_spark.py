@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -213,6 +214,7 @@ def test_streaming_publish_and_subscribe_survive_a_leader_kill(
         ids = pa.chunked_array(received, pa.int64()).to_pylist()
     assert sorted(set(ids)) == list(range(total))
     assert listener.persisted == total - 1
+    assert listener.rows_behind_latest == 0
 
 
 def _start_query_process(
@@ -622,3 +624,35 @@ def test_fail_on_data_loss_false_skips_rows_retention_removed(spark: Any, tmp_pa
         assert sorted(ids) == list(range(retained_from, total))
     finally:
         cluster.stop()
+
+
+def test_progress_names_the_table_and_a_checkpoint_of_another_table_is_refused(
+    spark: Any, spark_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    sites = sites_of(spark_cluster)
+    for table in ("named_a", "named_b"):
+        spark_cluster.create_table(table, READING_SCHEMA)
+        Publisher(session_of(spark_cluster), table).append(reading_rows(0, 100))
+
+    def run(table: str) -> Any:
+        query = (
+            spark.readStream.format("hastream")
+            .option("sites", sites)
+            .option("table", table)
+            .option("startingOffsets", "earliest")
+            .load()
+            .writeStream.foreachBatch(lambda batch, _: None)
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(timeout=120)
+        return query
+
+    first = run("named_a")
+    assert first.exception() is None
+    source = first.lastProgress["sources"][0]
+    assert json.loads(source["endOffset"]) == {"table": "named_a", "offset": 100}
+    assert json.loads(source["latestOffset"]) == {"table": "named_a", "offset": 100}
+    with pytest.raises(Exception, match="the checkpoint holds offsets of table 'named_a'"):
+        run("named_b")  # the same checkpointLocation, another table
