@@ -3,7 +3,9 @@
     python -m deploy.main_job [--seconds 60] [--rows-per-batch 10000] [--keep] [--insecure]
 
 1. Starts a local SparkSession and an ephemeral three-node cluster under
-   `.run/main_job/<time>/` (deploy.local_cluster), and creates the HA device table
+   `.run/main_job/<time>/` under the current directory (never inside an installed
+   package: run it from the checkout, or from any directory after a pip install;
+   deploy.local_cluster), and creates the HA device table
    `haDevSt` (keyed by `id`) in Raft group 2.
 2. Publisher: a Spark structured-streaming query turns a `rate-micro-batch` stream into
    device readings (JVM expressions, Arrow to the sink) and writes them with
@@ -41,7 +43,7 @@ from typing import Any, Final
 import numpy as np
 import pyarrow as pa
 
-from deploy.local_cluster import REPO, LocalCluster
+from deploy.local_cluster import LocalCluster
 from hastream.tls import ClientTls
 
 log = logging.getLogger("deploy.main_job")
@@ -138,9 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _raise_interrupt)
 
-    run_dir = REPO / ".run" / "main_job" / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    here = Path.cwd()
+    run_dir = here / ".run" / "main_job" / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    say(f"run directory {run_dir.relative_to(REPO)}")
+    say(f"run directory {_shown(run_dir)}")
     say("starting Spark (local[2]) ...")
     from spark_publisher.local import local_spark
 
@@ -209,7 +212,8 @@ def secure(cluster: LocalCluster, insecure: bool) -> Security:
 
 
 def _shown(path: Path) -> str:
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+    here = Path.cwd()
+    return str(path.relative_to(here)) if path.is_relative_to(here) else str(path)
 
 
 def run(spark: Any, cluster: LocalCluster, run_dir: Path, args: argparse.Namespace) -> int:
@@ -540,7 +544,7 @@ def report(
         f"subscriber offset   {listener.persisted} persisted in the cluster "
         f"(last row {published - 1})",
         f"device aggregate    {device_count} devices, {aggregated:,} readings -> "
-        f"{(run_dir / 'device_agg').relative_to(REPO)}",
+        f"{_shown(run_dir / 'device_agg')}",
         f"RESULT              {'OK' if ok else 'FAILED'}",
     ]
     if subscriber_error:

@@ -117,7 +117,8 @@ def test_the_wheel_holds_the_packages_the_extras_and_the_command(tmp_path: Path)
 
 def _installs_and_runs(wheel: Path, venv: Path) -> None:
     """The wheel in a fresh virtualenv (its dependencies from this interpreter's packages:
-    the test does not download): the command runs, the client imports from the venv."""
+    the test does not download): the command runs, the client imports from the venv, and a
+    cluster started from the installed copy takes a publish and answers a read."""
     subprocess.run(
         [sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
         check=True,
@@ -149,3 +150,36 @@ def _installs_and_runs(wheel: Path, venv: Path) -> None:
     )
     assert command.returncode == 0, command.stderr
     assert "tail" in command.stdout
+    used = subprocess.run(
+        [str(python), "-c", ROUND_TRIP],
+        cwd=venv,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert used.returncode == 0, used.stderr
+    where_nodes, ids = used.stdout.strip().splitlines()
+    assert Path(where_nodes).is_relative_to(venv), "the nodes ran the installed copy"
+    assert ids == "[1, 2, 3]"
+
+
+# From the installed copy, outside the checkout: a three-node cluster, a publish, a read.
+ROUND_TRIP = """
+import pathlib, tempfile
+import pyarrow as pa
+import raftstore
+from api_clients import Publisher, Session
+from deploy.local_cluster import LocalCluster
+
+cluster = LocalCluster(pathlib.Path(tempfile.mkdtemp()) / "cluster").start()
+try:
+    session = Session([f"127.0.0.1:{node.port}" for node in cluster.nodes.values()])
+    schema = pa.schema([("id", pa.int64())])
+    session.haStreamTable(2, schema, "t", 100)
+    Publisher(session, "t").append(pa.table({"id": [1, 2, 3]}, schema))
+    print(pathlib.Path(raftstore.__file__).parent)
+    print(session.read("t", 0).column("id").to_pylist())
+    session.close()
+finally:
+    cluster.stop()
+"""
