@@ -1,6 +1,6 @@
 """pysyncobj's adapter: one Raft member of one group, made durable and fast.
 
-pysyncobj 0.3.17 as shipped (PYSYNCOBJ-FACTS) never fsyncs its journal, loses the log tail
+pysyncobj 0.3.17 as shipped never fsyncs its journal, loses the log tail
 when its dump-file compaction races a crash, corrupts entries >= appendEntriesBatchSizeBytes,
 pickles with protocol 2 and zlib-compresses every message. This module closes each gap:
 

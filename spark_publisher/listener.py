@@ -2,7 +2,7 @@
 
 Spark calls a source's `commit(end)` for micro-batch N only when it plans micro-batch N+1
 with new data, and never for the last micro-batch of a run, so the offset the source
-persists lags by one micro-batch (PYSPARK-FACTS.md section 2). A StreamingQueryListener
+persists lags by one micro-batch (measured on pyspark 4.3). A StreamingQueryListener
 sees every micro-batch's `endOffset` on the driver right after the batch commits; this one
 persists `endOffset - 1` (the last processed row) for the action, through Raft.
 

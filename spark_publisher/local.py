@@ -3,7 +3,7 @@
 Python workers get their environment when the JVM starts, so `PYSPARK_PYTHON` (this
 interpreter, not whatever `python3` is on PATH) and `PYTHONPATH` (the repository, so
 workers import `spark_publisher` and `api_clients`) are set before the session exists.
-Settings follow PYSPARK-FACTS.md section 5. On a real cluster, build the session yourself
+Settings follow docs/spark.md (settings and gotchas). On a real cluster, build the session yourself
 and ship the packages to the executors (docs/spark.md).
 """
 

@@ -5,7 +5,7 @@ read) covers the half-open range `[start, end)`. Rows of a range are immutable o
 committed, so any replica can serve them and a replayed micro-batch reads exactly the same
 rows.
 
-Which object runs where (pyspark 4.3, see PYSPARK-FACTS.md section 2):
+Which object runs where (pyspark 4.3, as measured):
 - `HAStreamStreamReader` instance 1 lives in the driver's streaming source runner for the
   whole query: `initialOffset`, `latestOffset`, `partitions`, `commit`, `stop`.
 - instance 2 is pickled to the executors, which only call `read(partition)`.

@@ -5,6 +5,7 @@ checkout holds the packages, the extras and the `hastream` command."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -26,6 +27,19 @@ NOT_FOR_THE_CLIENT = (
     "docker",
     "yaml",
     "raftstore",
+)
+
+
+_NOT_SOURCES = (
+    ".git",
+    ".run",
+    "data",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    ".hypothesis",
 )
 
 
@@ -81,6 +95,9 @@ def test_the_client_imports_without_the_server_spark_or_test_dependencies() -> N
 
 @pytest.mark.cluster  # slow-ish: builds the wheel
 def test_the_wheel_holds_the_packages_the_extras_and_the_command(tmp_path: Path) -> None:
+    # Built from a copy: setuptools writes build/ and *.egg-info into the tree it builds.
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*_NOT_SOURCES))
     built = subprocess.run(
         [
             sys.executable,
@@ -91,7 +108,7 @@ def test_the_wheel_holds_the_packages_the_extras_and_the_command(tmp_path: Path)
             "--no-build-isolation",
             "--wheel-dir",
             str(tmp_path),
-            str(REPO),
+            str(source),
         ],
         capture_output=True,
         text=True,
