@@ -121,6 +121,10 @@ assert SHUTDOWN_TRANSFER_TIMEOUT_S <= TRANSFER_TIMEOUT_S_MAX
 # first entry yet, waits at most this long before it is refused (NotLeader with the new
 # leader, NodeUnavailable): a client's retry round costs more than the wait.
 LEADER_WAIT_S: Final = 1.0
+# One Raft tick applies committed entries for at most this long, and at most this many: the
+# same thread sends the heartbeats (replication.py _SyncObj__applyLogEntries).
+APPLY_SLICE_S: Final = 0.1
+APPLY_ENTRIES_MAX: Final = 4096
 assert PUBLISH_QUEUE_BYTES_MAX >= 4 * PIPELINE_IN_FLIGHT_BYTES_MAX, "a few streams fit"
 
 # Peer-only RPCs carry a signature whose time must be within this of the receiver's clock;

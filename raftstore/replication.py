@@ -218,14 +218,20 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             self._replica.checkpoint_durable()
 
     def _SyncObj__applyLogEntries(self) -> bool:
-        # pysyncobj's loop (syncobj.py __applyLogEntries), except that an entry the applier
-        # answers STALLED is left unapplied: the loop stops, lastApplied stays, its proposer
-        # is not answered, and the same entry is offered again on a later tick.
+        # pysyncobj's loop (syncobj.py __applyLogEntries), except that
+        # - an entry the applier answers STALLED is left unapplied: the loop stops,
+        #   lastApplied stays, its proposer is not answered, and the same entry is offered
+        #   again on a later tick;
+        # - one tick applies for at most APPLY_SLICE_S: the tick thread also sends the
+        #   heartbeats, and a new leader (or a restarted follower) with a long backlog that
+        #   applied it in one go went silent for seconds on a loaded machine, and lost its
+        #   leadership to an election before it could serve.
         need_send = False
         last_applied = self._SyncObj__raftLastApplied
         if self._SyncObj__raftCommitIndex > last_applied:
-            count = self._SyncObj__raftCommitIndex - last_applied
+            count = min(self._SyncObj__raftCommitIndex - last_applied, limits.APPLY_ENTRIES_MAX)
             waiting = self._SyncObj__commandsWaitingCommit
+            deadline = time.monotonic() + limits.APPLY_SLICE_S
             for command, idx, term in self._SyncObj__getEntries(last_applied + 1, count):
                 try:
                     result = self._SyncObj__doApplyCommand(command)
@@ -240,6 +246,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                     else:
                         callback(None, FAIL_REASON.DISCARDED)
                 self._SyncObj__raftLastApplied += 1
+                if time.monotonic() >= deadline:
+                    break  # the next tick goes on, after this one's network work
             if not self._SyncObj__conf.appendEntriesUseBatch:
                 need_send = True
         return need_send

@@ -37,6 +37,7 @@ FD_SOFT_LIMIT = 1024
 TABLES_UNDER_FD_LIMIT = 1100  # ~1,000, and past the limit with the node's own files
 RESTARTS_UNDER_PUBLISHERS = 12
 FREEZE_MAX_S = 5.0  # the followers' freeze while the leader stops
+GRACEFUL_DEADLINE_S = 30.0  # the client's default deadline
 BIG_TABLE_ROWS = 200_000
 BIG_TABLE_BASE = 5 * WRITER_SPAN
 REPLAY_BATCH_ROWS = 500
@@ -448,7 +449,7 @@ def _wait_for_progress(cluster: LocalCluster, errors: list[str]) -> None:
     before = len(errors) + cluster.row_count(cluster.leader(2), "T")
     wait_until(
         lambda: len(errors) + cluster.row_count(cluster.leader(2), "T") > before,
-        timeout_s=30,
+        timeout_s=GRACEFUL_DEADLINE_S,
         message="writers busy",
     )
 
@@ -474,7 +475,11 @@ def test_publishers_ride_through_graceful_restarts_of_the_leader(
     session.haStreamTable(2, SCHEMA, "T", 1000)
     stop = threading.Event()
     errors: list[str] = []
-    clients = [session_for(cluster) for _ in range(4)]
+    # The client's default deadline, not the chaos workload's 20 s: on a loaded machine (a
+    # Spark job beside this test) a new leader with a backlog to apply once lost its
+    # leadership before serving (its tick thread applied, and sent no heartbeats, for
+    # seconds: now bounded, replication.py), and two such elections in a row outlasted 20 s.
+    clients = [session_for(cluster, deadline_s=GRACEFUL_DEADLINE_S) for _ in range(4)]
     writers = [
         threading.Thread(target=_publish_until, args=(stop, client, errors)) for client in clients
     ]
