@@ -25,18 +25,18 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import pyarrow as pa
 
-from api_clients import batches
+from api_clients import batches, row_path
 from api_clients.pipeline import PipelineClosed, PublishPipeline
 from api_clients.types import AppendResult
 from hastream import wire
-from hastream.errors import InvalidArgument
+from hastream.errors import InvalidArgument, SchemaMismatch
 
 # What may wait for the sender: a request's worth of bytes twice over (one being built while
 # one waits for the window), and no more appends than a window of requests would carry.
@@ -46,12 +46,34 @@ PENDING_APPENDS_MAX: Final = 65_536
 # the IPC encoding adds a little, and a request that still comes out too large is split.
 _MERGE_BYTES_FRACTION: Final = 0.5
 _POLL_S: Final = 0.5
+_SMALL_CHUNK_ROWS: Final = 1024  # merged appends below this many rows each are combined
+_CONVERSION_ERRORS: Final = (
+    pa.ArrowInvalid,
+    pa.ArrowTypeError,
+    OverflowError,
+    TypeError,
+    ValueError,
+)
 
 
 @dataclass(slots=True)
 class _Append:
-    table: pa.Table
+    """One append: a validated table, or rows `row_path.quick_rows` vouched for under
+    `schema` (converted by the sender, together with the rows queued beside them)."""
+
+    schema: pa.Schema
+    table: pa.Table | None = None
+    rows: Sequence[Sequence[Any]] | None = None
     future: Future[AppendResult] = field(default_factory=Future)
+    num_rows: int = 0
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.table is not None:
+            self.num_rows, self.nbytes = self.table.num_rows, self.table.nbytes
+        else:
+            assert self.rows, "an append holds rows"
+            self.num_rows, self.nbytes = len(self.rows), row_path.size_estimate(self.rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +112,15 @@ class Coalescer:
 
     def add(self, table: pa.Table) -> Future[AppendResult]:
         """Queue one validated, non-empty table; its future gives its committed offsets."""
-        append = _Append(table)
-        size = table.nbytes
+        return self._queue(_Append(table.schema, table=table))
+
+    def add_rows(self, rows: Sequence[Sequence[Any]], schema: pa.Schema) -> Future[AppendResult]:
+        """Queue rows `row_path.quick_rows` vouched for under `schema` (converted by the
+        sender); the future gives their committed offsets."""
+        return self._queue(_Append(schema, rows=rows))
+
+    def _queue(self, append: _Append) -> Future[AppendResult]:
+        size = append.nbytes
         with self._condition:
             while (
                 not self._closed and self._pending and self._full(size)
@@ -120,7 +149,7 @@ class Coalescer:
     def pending_rows(self) -> int:
         """Rows queued here, not yet handed to the pipeline."""
         with self._condition:
-            return self._sending + sum(int(append.table.num_rows) for append in self._pending)
+            return self._sending + sum(append.num_rows for append in self._pending)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued append was handed to the pipeline; False if `timeout_s`
@@ -172,12 +201,16 @@ class Coalescer:
         """The appends of the next request (caller holds the lock): the head, and with
         merging as many after it as fit in a request's share of bytes and rows."""
         batch = [self._pending.popleft()]
-        size = batch[0].table.nbytes
-        rows = batch[0].table.num_rows
+        size = batch[0].nbytes
+        rows = batch[0].num_rows
         budget = self._bytes_max * _MERGE_BYTES_FRACTION
         while self._merge and self._pending:
-            head = self._pending[0].table
-            if size + head.nbytes > budget or rows + head.num_rows > wire.BATCH_ROWS_MAX:
+            head = self._pending[0]
+            if (
+                size + head.nbytes > budget
+                or rows + head.num_rows > wire.BATCH_ROWS_MAX
+                or not head.schema.equals(batch[0].schema, check_metadata=True)
+            ):
                 break
             batch.append(self._pending.popleft())
             size += head.nbytes
@@ -190,7 +223,15 @@ class Coalescer:
     def _send(self, batch: list[_Append]) -> None:
         """Encode and submit `batch` as one request (or several, if it comes out larger
         than a request may be); each append's future follows the requests it lies in."""
-        table = batch[0].table if len(batch) == 1 else pa.concat_tables(a.table for a in batch)
+        batch, parts = _converted(batch, self._pipeline.table)
+        if not batch:
+            return
+        table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        chunks = table.column(0).num_chunks if table.num_columns else 1
+        if chunks > 1 and table.num_rows < _SMALL_CHUNK_ROWS * chunks:
+            # Many small appends: one record batch, not one per append, for the nodes to
+            # decode and store.
+            table = table.combine_chunks()
         chunk_futures: list[Future[AppendResult]] = []
         chunk_starts: list[int] = []
         start = 0
@@ -206,9 +247,50 @@ class Coalescer:
             chunk_starts.append(start)
         first = 0
         for append in batch:
-            segments = _segments(first, append.table.num_rows, chunk_starts)
+            segments = _segments(first, append.num_rows, chunk_starts)
             _settle_when_done(append.future, segments, chunk_futures, whole=len(batch) == 1)
-            first += append.table.num_rows
+            first += append.num_rows
+
+
+def _converted(batch: list[_Append], table: str) -> tuple[list[_Append], list[pa.Table]]:
+    """`batch` with every run of queued rows converted to one table (its appends each still
+    count their own rows), and the tables that hold the batch's rows in order. Should a run
+    not convert after all, each of its appends is converted alone, and one that fails is
+    failed by itself (SchemaMismatch, naming the column), never its neighbours."""
+    appends: list[_Append] = []
+    parts: list[pa.Table] = []
+    run: list[_Append] = []
+    for append in [*batch, None]:
+        if append is not None and append.rows is not None:
+            run.append(append)
+            continue
+        if run:
+            converted, run_parts = _converted_run(run, table)
+            appends += converted
+            parts += run_parts
+            run = []
+        if append is not None and append.table is not None:
+            appends.append(append)
+            parts.append(append.table)
+    return appends, parts
+
+
+def _converted_run(run: list[_Append], table: str) -> tuple[list[_Append], list[pa.Table]]:
+    try:
+        rows = row_path.rows_table([row for a in run for row in a.rows or ()], run[0].schema)
+    except _CONVERSION_ERRORS:
+        alone = [converted for append in run if (converted := _converted_alone(append, table))]
+        return alone, [append.table for append in alone if append.table is not None]
+    return run, [rows]
+
+
+def _converted_alone(append: _Append, table: str) -> _Append | None:
+    try:
+        append.table = batches.to_table(list(append.rows or ()), append.schema, table)
+    except SchemaMismatch as error:
+        append.future.set_exception(error)
+        return None
+    return append
 
 
 def _segments(first: int, count: int, chunk_starts: list[int]) -> list[_Segment]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import pyarrow as pa
 
-from api_clients import batches
+from api_clients import batches, row_path
 from api_clients.buffer import (
     BUFFER_BYTES_MAX_DEFAULT,
     REJECTED_DIR,
@@ -126,6 +126,8 @@ class Publisher:
         self._pipeline: PublishPipeline | None = None
         self._coalescer: Coalescer | None = None
         self._key_column: str | None = None  # as getTableInfo said; None before it was asked
+        self._checks: tuple[row_path.Check, ...] | None = None
+        self._checks_schema: pa.Schema | None = None
         self._batch_bytes_max = batch_bytes_max
         self._deadline_s = deadline_s
         self._schema: pa.Schema | None = schema
@@ -238,8 +240,20 @@ class Publisher:
         if self._buffer is not None:
             raise InvalidArgument("durable_buffer_dir", _NO_PIPELINE_WITH_BUFFER)
         with self._lock:
+            schema = self._table_schema()
+            checks = self._row_checks(schema)
+            rows = None if checks is None else row_path.quick_rows(data, checks)
+            if rows is not None:  # converted by the coalescer, with the rows queued beside
+                return self._pipeline_started().add_rows(rows, schema)
             table = self._to_table(data)
             return self._pipeline_started().add(table)
+
+    def _row_checks(self, schema: pa.Schema) -> tuple[row_path.Check, ...] | None:
+        """The quick checks of `schema`'s rows (row_path.py), made once per schema."""
+        if self._checks_schema is not schema:
+            self._checks = row_path.checks_for(schema)
+            self._checks_schema = schema
+        return self._checks
 
     def _pipeline_started(self) -> Coalescer:
         """The pipeline and its coalescer, started on first use (caller holds the lock)."""

@@ -18,11 +18,13 @@ Nine publish shapes (`--only` takes their keys):
     async-100, async-1000, async-10000   1 publisher x N rows per message, pipelined
 
 A row is 11 columns: a 20-character ascii id and 10 int32 values (60 bytes packed). NATS
-gets N rows packed into one message (row-major bytes); hastream gets a pyarrow.Table of N
-rows through the public client, as a user would: `Publisher(session, table).append(t)` for
-"wait", `Publisher(..., max_in_flight=W).append_async(t)` for "async". Each message or
-table is built inside the timed loop: 1-row shapes from Python values, batches from a slice
-of pre-made numpy arrays (no pre-encoded payloads on either side). The NATS client is
+gets N rows packed into one message (row-major bytes); hastream gets the rows through the
+public client, as a user would: `Publisher(session, table).append(data)` for "wait",
+`Publisher(..., max_in_flight=W).append_async(data)` for "async". One row is what a Python
+program has at hand, its values: NATS packs them (struct), hastream gets them as a row
+tuple, `[(id, v1, ..., v10)]`. N rows are a pyarrow.Table built from a slice of pre-made
+numpy arrays (NATS: the same slice's bytes). All inside the timed loop; no pre-encoded
+payloads on either side. The NATS client is
 nats-py (pure-Python asyncio); its publishers dial the stream leader first, as the hastream
 client follows its leader. 4 publishers are 4 threads, each with its own Session and
 Publisher (hastream), or 4 connections driven by one event loop (NATS); both in this one
@@ -233,11 +235,11 @@ def one_row_bytes(number: int) -> bytes:
     return row_id.encode() + _INTS.pack(*values)
 
 
-def one_row_table(number: int) -> pa.Table:
-    """hastream, 1-row shapes: the same row as a pyarrow.Table from Python values."""
+def one_row(number: int) -> list[tuple[object, ...]]:
+    """hastream, 1-row shapes: the same row's values as a row tuple (the client's rows form:
+    a list of tuples)."""
     row_id, values = row_values(number)
-    columns = {"id": [row_id]} | {f"v{k}": [value] for k, value in enumerate(values, 1)}
-    return pa.Table.from_pydict(columns, schema=SCHEMA)
+    return [(row_id, *values)]
 
 
 @dataclass(frozen=True)
@@ -282,8 +284,8 @@ def nats_builder(pool: RowPool, rows: int) -> Callable[[int], bytes]:
     return one_row_bytes if rows == 1 else lambda number: pool.message(number, rows)
 
 
-def hastream_builder(pool: RowPool, rows: int) -> Callable[[int], pa.Table]:
-    return one_row_table if rows == 1 else lambda number: pool.table(number, rows)
+def hastream_builder(pool: RowPool, rows: int) -> Callable[[int], object]:
+    return one_row if rows == 1 else lambda number: pool.table(number, rows)
 
 
 # --- CPU ----------------------------------------------------------------------------------
@@ -327,7 +329,7 @@ class HastreamPublisher(threading.Thread):
         table: str,
         shape: Shape,
         window: int,
-        build: Callable[[int], pa.Table],
+        build: Callable[[int], object],
         first_number: int,
         start: StartLine,
     ) -> None:
@@ -419,7 +421,7 @@ class HastreamSide:
     cluster: LocalCluster
     session: Session  # admin calls: create and drop the tables
     sites: list[str]
-    build: dict[int, Callable[[int], pa.Table]]
+    build: dict[int, Callable[[int], object]]
     window: int
 
     @staticmethod
@@ -784,9 +786,10 @@ def markdown(summaries: list[ShapeSummary], results: list[CellResult], meta: dic
             "Medians over the reps. ratio = hastream rows/s / NATS rows/s. p50: acknowledgement "
             "latency of the waiting shapes (the append / publish call; building the data is "
             "outside it). A row is 11 columns (a 20-character id and 10 int32, 60 bytes "
-            "packed); NATS carries N rows in one message, hastream one pyarrow.Table of N rows "
-            "per append, both built inside the timed loop. Both clusters run side by side on "
-            "this machine and disk; each rep runs every cell once in a random order.",
+            "packed); NATS carries N rows in one message, hastream one append of N rows (a row "
+            "tuple for one row, a pyarrow.Table for more), both built inside the timed loop. "
+            "Both clusters run side by side on this machine and disk; each rep runs every cell "
+            "once in a random order.",
             "",
             "CPU of each system's three server processes during its cells (median, cores):",
             "",

@@ -441,3 +441,30 @@ def test_merged_appends_of_mixed_sizes_keep_their_own_offsets(cluster: LocalClus
     wait_replicas(cluster, "coalesce_mixed", first)
     for alias in cluster.alive():
         assert ids_on(cluster, alias, "coalesce_mixed") == list(range(first)), alias
+
+
+def test_row_tuples_are_converted_together_and_a_bad_row_fails_alone(
+    cluster: LocalCluster,
+) -> None:
+    """One-row tuples take the quick path (converted by the coalescer, many rows at once);
+    a row of the wrong type is refused at the call, like any bad input, and nothing else."""
+    cluster.create_table("coalesce_rows", SCHEMA)
+    count = 2000
+    with session_for(cluster) as session:
+        publisher = Publisher(session, "coalesce_rows", max_in_flight=4)
+        futures = []
+        for number in range(count):
+            futures.append(publisher.append_async([(number, f"s{number % 7}", number * 0.5)]))
+            if number == count // 2:
+                with pytest.raises(SchemaMismatch, match="price"):
+                    publisher.append_async([(number, "s", "not a price")])
+        results = [future.result(timeout=DEADLINE_S) for future in futures]
+        stats = publisher.pipeline_stats()
+        publisher.close()
+    assert [(r.first_offset, r.row_count) for r in results] == [(n, 1) for n in range(count)]
+    assert stats is not None
+    assert stats["merged_appends"] > 0, stats
+    wait_replicas(cluster, "coalesce_rows", count)
+    expected = rows(0, count)
+    for alias in cluster.alive():
+        assert cluster.read_table(alias, "coalesce_rows").equals(expected), alias

@@ -20,7 +20,9 @@ from api_clients import (
     Publisher,
     PublishPipeline,
     Session,
+    batches,
     coalescer,
+    row_path,
 )
 from api_clients.retry import Backoff
 from api_clients.transport import Stream
@@ -204,3 +206,73 @@ def test_each_merged_append_maps_to_its_own_rows_of_the_requests(
         ]
         assert covered == list(range(first, first + count))
         first += count
+
+
+ROW_SCHEMA = pa.schema(
+    [
+        ("i", pa.int32()),
+        ("u", pa.uint8()),
+        ("f", pa.float64()),
+        ("s", pa.string()),
+        ("b", pa.bool_()),
+        pa.field("n", pa.int64(), nullable=False),
+    ]
+)
+_VALUES = st.one_of(
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=False),
+    st.text(max_size=5),
+    st.booleans(),
+    st.none(),
+    st.binary(max_size=3),
+)
+
+
+_VALID = (
+    st.integers(-(2**31), 2**31 - 1),
+    st.integers(0, 255),
+    st.floats(allow_nan=False) | st.integers(-(2**53), 2**53),
+    st.text(max_size=5),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+)
+# Rows of valid values (nulls where the column allows them), and rows of anything.
+_VALID_ROW = st.tuples(*[valid | st.none() for valid in _VALID[:-1]], _VALID[-1])
+_ANY_ROW = st.tuples(*[st.one_of(valid, _VALUES) for valid in _VALID])
+
+
+@pytest.mark.unit
+@given(rows=st.lists(_VALID_ROW, min_size=1, max_size=16) | st.lists(_ANY_ROW, max_size=20))
+def test_the_quick_row_path_accepts_only_rows_the_general_path_converts_the_same(
+    rows: list[tuple[object, ...]],
+) -> None:
+    """Rows the quick checks vouch for convert, in bulk, to exactly what the general path
+    gives; every other input is left to the general path (None)."""
+    checks = row_path.checks_for(ROW_SCHEMA)
+    assert checks is not None
+    quick = row_path.quick_rows(rows, checks)
+    if quick is None:
+        return
+    assert 0 < len(rows) <= row_path.ROWS_MAX
+    expected = batches.to_table(rows, ROW_SCHEMA, "t")
+    assert row_path.rows_table(quick, ROW_SCHEMA).equals(expected)
+
+
+@pytest.mark.unit
+def test_the_quick_row_path_refuses_what_it_cannot_vouch_for() -> None:
+    checks = row_path.checks_for(ROW_SCHEMA)
+    assert checks is not None
+    good = (1, 2, 0.5, "x", True, 7)
+    assert row_path.quick_rows([good], checks) == [good]
+    for bad in (
+        (True, 2, 0.5, "x", True, 7),  # a bool is not an int here
+        (2**31, 2, 0.5, "x", True, 7),  # out of int32's range
+        (1, -1, 0.5, "x", True, 7),  # out of uint8's range
+        (1, 2, 0.5, b"x", True, 7),  # bytes for a string
+        (1, 2, 0.5, "x", True, None),  # null in a non-nullable column
+        (1, 2, 0.5, "x"),  # short
+    ):
+        assert row_path.quick_rows([bad], checks) is None, bad
+    assert row_path.quick_rows((good,), checks) is None, "a tuple of rows: the general path"
+    assert row_path.quick_rows([good] * (row_path.ROWS_MAX + 1), checks) is None
+    assert row_path.checks_for(pa.schema([("d", pa.decimal128(5, 2))])) is None

@@ -1,0 +1,108 @@
+"""The fast path of a few Python rows: checked on the caller's thread, converted in bulk.
+
+Converting one row to Arrow costs about as much as converting sixty (a `pa.array` call per
+column dominates either way), so an application that publishes row by row spends its time
+in conversion. `Publisher.append_async` therefore takes a short list of row tuples whose
+every value is plainly of its column's type (`quick_rows`): it checks them on the caller's
+thread and queues the Python rows; the coalescer's sender converts everything queued
+together, once per request (`rows_table`). Anything else takes the general path
+(`batches.to_table`), which is also what decides the errors: a row the quick checks do not
+vouch for is never queued here, so both paths accept and refuse the same rows.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import pyarrow as pa
+
+Check = Callable[[Any], bool]
+ROWS_MAX: Final = 16  # more rows per call amortise the conversion by themselves
+_EXACT_FLOAT_INT: Final = 2**53
+_INT_BOUNDS: Final = {
+    pa.int8(): (-(2**7), 2**7 - 1),
+    pa.int16(): (-(2**15), 2**15 - 1),
+    pa.int32(): (-(2**31), 2**31 - 1),
+    pa.int64(): (-(2**63), 2**63 - 1),
+    pa.uint8(): (0, 2**8 - 1),
+    pa.uint16(): (0, 2**16 - 1),
+    pa.uint32(): (0, 2**32 - 1),
+    pa.uint64(): (0, 2**64 - 1),
+}
+
+
+def checks_for(schema: pa.Schema) -> tuple[Check, ...] | None:
+    """One check per column that a value is plainly of the column's type (exact Python
+    types: no bool for an int, no numpy scalars); None when a column's type has no quick
+    check (those tables always take the general path)."""
+    checks = []
+    for field in schema:
+        check = _check_for(field.type)
+        if check is None:
+            return None
+        checks.append(_nullable(check) if field.nullable else check)
+    return tuple(checks)
+
+
+def _check_for(arrow_type: pa.DataType) -> Check | None:
+    bounds = _INT_BOUNDS.get(arrow_type)
+    if bounds is not None:
+        low, high = bounds
+        return lambda value: type(value) is int and low <= value <= high
+    if pa.types.is_floating(arrow_type):
+        return lambda value: (
+            type(value) is float
+            or (type(value) is int and -_EXACT_FLOAT_INT <= value <= _EXACT_FLOAT_INT)
+        )
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return lambda value: type(value) is str
+    if pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type):
+        return lambda value: type(value) is bytes
+    if pa.types.is_boolean(arrow_type):
+        return lambda value: type(value) is bool
+    if pa.types.is_timestamp(arrow_type) and arrow_type.tz is None:
+        return lambda value: type(value) is datetime.datetime and value.tzinfo is None
+    return None
+
+
+def _nullable(check: Check) -> Check:
+    return lambda value: value is None or check(value)
+
+
+def quick_rows(data: object, checks: tuple[Check, ...]) -> list[Sequence[Any]] | None:
+    """`data` as rows for the fast path: a non-empty list of at most ROWS_MAX tuples or
+    lists whose values all pass `checks`; None for anything else."""
+    if type(data) is not list or not 0 < len(data) <= ROWS_MAX:
+        return None
+    width = len(checks)
+    for row in data:
+        if (type(row) is not tuple and type(row) is not list) or len(row) != width:
+            return None
+        for check, value in zip(checks, row, strict=True):
+            if not check(value):
+                return None
+    return data
+
+
+def rows_table(rows: Sequence[Sequence[Any]], schema: pa.Schema) -> pa.Table:
+    """The rows (checked by `quick_rows` against `schema`) as one table: one conversion per
+    column for all of them."""
+    columns = zip(*rows, strict=True)
+    arrays = [
+        pa.array(values, type=field.type) for values, field in zip(columns, schema, strict=True)
+    ]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def size_estimate(rows: Sequence[Sequence[Any]]) -> int:
+    """About the Arrow bytes of `rows` (8 a value, plus the bytes of strings): the
+    coalescer's bound on what waits, and its share of a request."""
+    total = 0
+    for row in rows:
+        total += 8 * len(row)
+        for value in row:
+            if type(value) is str or type(value) is bytes:
+                total += len(value)
+    return total
