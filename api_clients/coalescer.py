@@ -1,7 +1,8 @@
 """Coalescing of pipelined appends: Kafka's record accumulator, with `linger.ms=0`.
 
 `Publisher.append_async` validates its rows on the caller's thread and hands the Arrow table
-to a `Coalescer`. The coalescer's sender thread takes everything that has queued up and
+(or a few row tuples it checked, converted here together with those queued beside them:
+row_path.py) to a `Coalescer`. The coalescer's sender thread takes everything that has queued up and
 sends it as one request through the `PublishPipeline`; while the pipeline's window is full
 the sender waits in `submit`, and the appends made meanwhile queue up for the next request.
 A lone append goes out at once (nothing lingers); appends merge only while earlier requests
@@ -122,9 +123,8 @@ class Coalescer:
     def _queue(self, append: _Append) -> Future[AppendResult]:
         size = append.nbytes
         with self._condition:
-            while (
-                not self._closed and self._pending and self._full(size)
-            ):  # bounded: the sender drains
+            # Bounded: the sender drains the queue, or close() ends the wait.
+            while not self._closed and self._pending and self._full(size):
                 self._condition.wait(timeout=_POLL_S)
             if self._closed:
                 raise InvalidArgument("publisher", "the pipeline is closed")
