@@ -4,6 +4,7 @@ checkout holds the packages, the extras and the `hastream` command."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -142,10 +143,13 @@ def _installs_and_runs(wheel: Path, venv: Path) -> None:
         timeout=120,
     )
     python = venv / "bin" / "python"
+    # Without PYTHONPATH: the Spark tests put the checkout on it for this process's children.
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     installed = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
         capture_output=True,
         text=True,
+        env=env,
         timeout=300,
     )
     assert installed.returncode == 0, installed.stderr
@@ -154,6 +158,7 @@ def _installs_and_runs(wheel: Path, venv: Path) -> None:
         cwd=venv,  # not the checkout: the installed copy answers
         capture_output=True,
         text=True,
+        env=env,
         timeout=120,
     )
     assert where.returncode == 0, where.stderr
@@ -163,6 +168,7 @@ def _installs_and_runs(wheel: Path, venv: Path) -> None:
         cwd=venv,
         capture_output=True,
         text=True,
+        env=env,
         timeout=120,
     )
     assert command.returncode == 0, command.stderr
@@ -172,6 +178,7 @@ def _installs_and_runs(wheel: Path, venv: Path) -> None:
         cwd=venv,
         capture_output=True,
         text=True,
+        env=env,
         timeout=300,
     )
     assert used.returncode == 0, used.stderr
