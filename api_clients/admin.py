@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any, Final
 
 import pyarrow as pa
@@ -130,3 +131,53 @@ def topic_table(topic: str) -> str:
     if not separator or not table or not action_name:
         raise InvalidArgument("topic", f"{topic!r} is not 'table/actionName'")
     return table
+
+
+# -- users and grants: one request builder for the threaded and the asyncio session ------
+
+Operation = hastream_pb2.AccessRequest.Operation
+_RULE_OPERATIONS: Final = {
+    "grant": hastream_pb2.AccessRequest.GRANT,
+    "deny": hastream_pb2.AccessRequest.DENY,
+    "revoke": hastream_pb2.AccessRequest.REVOKE,
+}
+
+
+def create_user_request(user: str, password: str, is_admin: bool) -> hastream_pb2.AccessRequest:
+    return hastream_pb2.AccessRequest(
+        operation=hastream_pb2.AccessRequest.CREATE_USER,
+        userid=user,
+        password=password,
+        admin=is_admin,
+    )
+
+
+def delete_user_request(user: str) -> hastream_pb2.AccessRequest:
+    return hastream_pb2.AccessRequest(operation=hastream_pb2.AccessRequest.DELETE_USER, userid=user)
+
+
+def reset_password_request(user: str, password: str) -> hastream_pb2.AccessRequest:
+    return hastream_pb2.AccessRequest(
+        operation=hastream_pb2.AccessRequest.RESET_PASSWORD, userid=user, password=password
+    )
+
+
+def rule_requests(
+    verb: str, user: str, access_type: str, objs: str | Sequence[str]
+) -> list[hastream_pb2.AccessRequest]:
+    """`grant`, `deny` or `revoke` of `access_type` on each table of `objs` (one name,
+    names, or "*"): one request per table."""
+    operation = _RULE_OPERATIONS[verb]
+    tables = [objs] if isinstance(objs, str) else list(objs)
+    return [
+        hastream_pb2.AccessRequest(
+            operation=operation, userid=user, privilege=access_type, table=table
+        )
+        for table in tables
+    ]
+
+
+def users_from_access(message: hastream_pb2.JsonDocument) -> list[dict[str, Any]]:
+    """Every user with its admin flag and rules, from GetAccess's answer."""
+    users: list[dict[str, Any]] = json.loads(message.json)["users"]
+    return users

@@ -233,6 +233,42 @@ class AioSession:
         request = hastream_pb2.GroupRequest(raft_group=groupId)
         return str((await self.call("GetStreamingLeader", request)).leader)
 
+    # -- users and grants (DolphinDB's names; admins only) -----------------------------
+
+    async def createUser(self, userId: str, password: str, isAdmin: bool = False) -> None:
+        """A new user (UserExists if the name is taken); the password needs 8+ characters."""
+        await self.call("ManageAccess", admin.create_user_request(userId, password, isAdmin))
+
+    async def deleteUser(self, userId: str) -> None:
+        """Removes the user and its grants; its tokens stop working at once."""
+        await self.call("ManageAccess", admin.delete_user_request(userId))
+
+    async def resetPwd(self, userId: str, newPwd: str) -> None:
+        """A new password; the user's sessions must log in again."""
+        await self.call("ManageAccess", admin.reset_password_request(userId, newPwd))
+
+    async def grant(self, userId: str, accessType: str, objs: str | Sequence[str] = "*") -> None:
+        """Grant TABLE_READ or TABLE_WRITE on tables (`objs`: one name, names, or "*")."""
+        for request in admin.rule_requests("grant", userId, accessType, objs):
+            await self.call("ManageAccess", request)
+
+    async def deny(self, userId: str, accessType: str, objs: str | Sequence[str] = "*") -> None:
+        """Deny TABLE_READ or TABLE_WRITE on tables: a denial beats any grant."""
+        for request in admin.rule_requests("deny", userId, accessType, objs):
+            await self.call("ManageAccess", request)
+
+    async def revoke(self, userId: str, accessType: str, objs: str | Sequence[str] = "*") -> None:
+        """Remove the grant or denial of `accessType` on exactly these tables."""
+        for request in admin.rule_requests("revoke", userId, accessType, objs):
+            await self.call("ManageAccess", request)
+
+    async def getUserAccess(self) -> list[dict[str, Any]]:
+        """Every user with its admin flag and rules (never a password hash)."""
+        return admin.users_from_access(await self.call("GetAccess", hastream_pb2.Empty()))
+
+    async def getUserList(self) -> list[str]:
+        return [entry["user"] for entry in await self.getUserAccess()]
+
     # -- data ------------------------------------------------------------------------
 
     async def append(self, tableName: str, data: object) -> AppendResult:

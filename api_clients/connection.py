@@ -528,53 +528,36 @@ class Session:
 
     # -- users and grants (DolphinDB's names; admins only) -----------------------------
 
-    def _access(
-        self, operation: hastream_pb2.AccessRequest.Operation, userId: str, **fields: Any
-    ) -> None:
-        request = hastream_pb2.AccessRequest(operation=operation, userid=userId, **fields)
-        self.call("ManageAccess", request)
-
     def createUser(self, userId: str, password: str, isAdmin: bool = False) -> None:
         """A new user (UserExists if the name is taken); the password needs 8+ characters."""
-        self._access(
-            hastream_pb2.AccessRequest.CREATE_USER, userId, password=password, admin=isAdmin
-        )
+        self.call("ManageAccess", admin.create_user_request(userId, password, isAdmin))
 
     def deleteUser(self, userId: str) -> None:
         """Removes the user and its grants; its tokens stop working at once."""
-        self._access(hastream_pb2.AccessRequest.DELETE_USER, userId)
+        self.call("ManageAccess", admin.delete_user_request(userId))
 
     def resetPwd(self, userId: str, newPwd: str) -> None:
         """A new password; the user's sessions must log in again."""
-        self._access(hastream_pb2.AccessRequest.RESET_PASSWORD, userId, password=newPwd)
+        self.call("ManageAccess", admin.reset_password_request(userId, newPwd))
 
     def grant(self, userId: str, accessType: str, objs: str | Sequence[str] = "*") -> None:
         """Grant TABLE_READ or TABLE_WRITE on tables (`objs`: one name, names, or "*")."""
-        self._rules(hastream_pb2.AccessRequest.GRANT, userId, accessType, objs)
+        for request in admin.rule_requests("grant", userId, accessType, objs):
+            self.call("ManageAccess", request)
 
     def deny(self, userId: str, accessType: str, objs: str | Sequence[str] = "*") -> None:
         """Deny TABLE_READ or TABLE_WRITE on tables: a denial beats any grant."""
-        self._rules(hastream_pb2.AccessRequest.DENY, userId, accessType, objs)
+        for request in admin.rule_requests("deny", userId, accessType, objs):
+            self.call("ManageAccess", request)
 
     def revoke(self, userId: str, accessType: str, objs: str | Sequence[str] = "*") -> None:
         """Remove the grant or denial of `accessType` on exactly these tables."""
-        self._rules(hastream_pb2.AccessRequest.REVOKE, userId, accessType, objs)
-
-    def _rules(
-        self,
-        operation: hastream_pb2.AccessRequest.Operation,
-        userId: str,
-        accessType: str,
-        objs: str | Sequence[str],
-    ) -> None:
-        for table in [objs] if isinstance(objs, str) else objs:
-            self._access(operation, userId, privilege=accessType, table=table)
+        for request in admin.rule_requests("revoke", userId, accessType, objs):
+            self.call("ManageAccess", request)
 
     def getUserAccess(self) -> list[dict[str, Any]]:
         """Every user with its admin flag and rules (never a password hash)."""
-        reply = self.call("GetAccess", hastream_pb2.Empty())
-        users: list[dict[str, Any]] = json.loads(reply.json)["users"]
-        return users
+        return admin.users_from_access(self.call("GetAccess", hastream_pb2.Empty()))
 
     def getUserList(self) -> list[str]:
         return [entry["user"] for entry in self.getUserAccess()]

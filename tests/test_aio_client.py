@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from api_clients import Session, aio
+from api_clients import aio
 from hastream.errors import PermissionDenied, TableNotFound, Unauthenticated
 from hastream.model import OFFSET_EARLIEST
 from tests.harness import LocalCluster, assert_replicas_hold_exactly
@@ -82,6 +82,14 @@ def test_logins_and_grants_apply_to_the_asyncio_client(tmp_path: Path) -> None:
             host, int(port), "admin", "aio-admin-password", sites[1:]
         ) as admin:
             await admin.append("aio_secure", rows(0, 10))
+            await admin.createUser("reader", "reader-password")
+            await admin.grant("reader", "TABLE_READ", "aio_secure")
+            await admin.createUser("passerby", "passerby-password")
+            assert sorted(await admin.getUserList()) == ["admin", "passerby", "reader"]
+            await admin.deleteUser("passerby")
+            # Answered by the node that took the delete (the session's preferred site).
+            access = {entry["user"]: entry for entry in await admin.getUserAccess()}
+            assert set(access) == {"admin", "reader"}
         anonymous = aio.AioSession(sites)
         with pytest.raises(Unauthenticated):
             await anonymous.getTableInfo("aio_secure")
@@ -95,9 +103,6 @@ def test_logins_and_grants_apply_to_the_asyncio_client(tmp_path: Path) -> None:
             assert (await reader.getTableInfo("aio_secure")).row_count == 10
 
     try:
-        with Session(sites, userid="admin", password="aio-admin-password") as admin:
-            admin.createUser("reader", "reader-password")
-            admin.grant("reader", "TABLE_READ", "aio_secure")
         asyncio.run(scenario())
     finally:
         cluster.stop()
