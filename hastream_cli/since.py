@@ -9,7 +9,8 @@ import datetime
 import re
 from typing import Final
 
-_EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+from api_clients.times import epoch_ms
+
 _UNITS_S: Final = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
 _AGO: Final = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 
@@ -29,9 +30,7 @@ def since_ms(text: str, now_ms: int) -> int:
     except ValueError:
         pass
     else:
-        if stamp.tzinfo is None:
-            stamp = stamp.replace(tzinfo=datetime.UTC)
-        return (stamp - _EPOCH) // datetime.timedelta(milliseconds=1)
+        return epoch_ms(stamp, "--since")  # naive is UTC, as everywhere in the client
     raise ValueError(
         f"{text!r} is not a time: give a duration ago (90s, 5m, 2h, 1d), an ISO 8601 "
         "time (2026-11-25T01:00:00Z) or ms since the epoch"

@@ -25,7 +25,7 @@ from pyspark.sql.streaming.listener import StreamingQueryListener
 
 from api_clients import RaftStoreError
 from spark_publisher.cluster import PLANNING_TIMEOUT_S, commit_offset, table_info
-from spark_publisher.options import parse
+from spark_publisher.options import offset_number, parse
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +139,10 @@ def is_python_stream_source(description: str) -> bool:
 
 
 def _offset_of(text: str | None, table: str) -> int | None:
-    """N of an offset `{"table": table, "offset": N}` (or `{"offset": N}`, written before
-    offsets named the table) in a progress's JSON; None for anything else."""
+    """N of a progress's offset JSON when it is an offset of `table` (the source's own
+    form, `options.offset_number`); None for anything else."""
     try:
         offset = json.loads(text or "null")
-    except ValueError:
+        return offset_number(offset, table) if isinstance(offset, dict) else None
+    except ValueError:  # not JSON, malformed, or another table's (OptionError)
         return None
-    if not isinstance(offset, dict) or not isinstance(offset.get("offset"), int):
-        return None
-    if set(offset) - {"table", "offset"} or offset.get("table", table) != table:
-        return None
-    return int(offset["offset"])

@@ -21,7 +21,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from hastream import wire
 from hastream.errors import InvalidArgument
@@ -285,11 +285,9 @@ def _login(values: Mapping[str, str]) -> tuple[str, str] | None:
 def _tls(values: Mapping[str, str]) -> ClientTls | None:
     """TLS settings: `tls=true` (system roots) or any of the files. The files are read here,
     on the driver, so a wrong path fails before any task."""
-    flag = values.get("tls", "false").lower()
-    if flag not in ("true", "false"):
-        raise OptionError("tls", values.get("tls"), "expected true or false")
+    enabled = _flag("tls", values.get("tls"))
     files = {name: values.get(name.lower()) for name in ("caFile", "certFile", "keyFile")}
-    if flag == "false" and not any(files.values()):
+    if not enabled and not any(files.values()):
         return None
     try:
         tls = ClientTls(files["caFile"], files["certFile"], files["keyFile"])
@@ -450,3 +448,29 @@ def split_range(start: int, end: int, partitions_max: int) -> list[tuple[int, in
         position += step
     assert position == end, (position, end)
     return ranges
+
+
+def offset_dict(table: str, offset: int) -> dict[str, Any]:
+    """A Spark offset of this source. It names the table, so the query's progress does
+    (`sources[i].startOffset/endOffset/latestOffset`; Spark describes a Python source only
+    by its class), and a checkpoint pointed at another table is refused."""
+    return {"table": table, "offset": offset}
+
+
+def offset_number(offset: Mapping[str, Any], table: str) -> int:
+    """N of an offset of `table`; `{"offset": N}` too (written before offsets named the
+    table). Raises OptionError for another table's offset (a reused checkpointLocation)."""
+    value = offset.get("offset")
+    named = offset.get("table", table)
+    if not isinstance(value, int) or value < 0 or set(offset) - {"table", "offset"}:
+        raise ValueError(
+            f"hastream: malformed offset {offset!r}; expected {{'table': T, 'offset': N >= 0}}"
+        )
+    if named != table:
+        raise OptionError(
+            "table",
+            table,
+            f"the checkpoint holds offsets of table {named!r}: "
+            "a query on another table needs a new checkpointLocation",
+        )
+    return value

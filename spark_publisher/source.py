@@ -64,6 +64,8 @@ from spark_publisher.options import (
     OptionError,
     Position,
     TimestampStrategy,
+    offset_dict,
+    offset_number,
     parse,
     split_range,
 )
@@ -325,7 +327,7 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         )
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
-        begin = _offset(start, self._options.table)
+        begin = offset_number(start, self._options.table)
         try:
             info = table_info(self._options)
         except RaftStoreError as error:
@@ -371,7 +373,9 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         return _partitions(
-            self._options, _offset(start, self._options.table), _offset(end, self._options.table)
+            self._options,
+            offset_number(start, self._options.table),
+            offset_number(end, self._options.table),
         )
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -382,7 +386,7 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Persists `end - 1`, the last row of the committed micro-batch. Best effort: a
         failure is logged, not raised (it would kill the query, and the checkpoint, not this
         offset, is what a restart resumes from)."""
-        last = _offset(end, self._options.table) - 1
+        last = offset_number(end, self._options.table) - 1
         if last < 0 or last == self._committed:
             return
         try:
@@ -400,29 +404,3 @@ class HAStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def stop(self) -> None:
         log.info("stream reader stopped topic=%s", self._options.topic)
-
-
-def offset_dict(table: str, offset: int) -> dict[str, Any]:
-    """A Spark offset of this source. It names the table, so the query's progress does
-    (`sources[i].startOffset/endOffset/latestOffset`; Spark describes a Python source only
-    by its class), and a checkpoint pointed at another table is refused."""
-    return {"table": table, "offset": offset}
-
-
-def _offset(offset: dict[str, Any], table: str) -> int:
-    """N of an offset of `table`; `{"offset": N}` too (written before offsets named the
-    table). Raises OptionError for another table's offset (a reused checkpointLocation)."""
-    value = offset.get("offset")
-    named = offset.get("table", table)
-    if not isinstance(value, int) or value < 0 or set(offset) - {"table", "offset"}:
-        raise ValueError(
-            f"hastream: malformed offset {offset!r}; expected {{'table': T, 'offset': N >= 0}}"
-        )
-    if named != table:
-        raise OptionError(
-            "table",
-            table,
-            f"the checkpoint holds offsets of table {named!r}: "
-            "a query on another table needs a new checkpointLocation",
-        )
-    return value

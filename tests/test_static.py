@@ -30,24 +30,3 @@ def test_mypy_strict_is_clean() -> None:
     # Files and settings: [tool.mypy] in pyproject.toml (generated proto code excluded).
     result = _run("mypy")
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-# Working notes kept outside the repository: the project's files stand alone, so none names
-# them (a reader of the code or the docs could not follow the reference).
-OUTSIDE_NOTES = ("PYSPARK-FACTS", "PYSYNCOBJ-FACTS", "../shared", "MISSION.md", "STYLE.md")
-
-
-def test_no_file_refers_to_notes_outside_the_repository() -> None:
-    tracked = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True, timeout=60
-    ).stdout.split(b"\0")
-    found = []
-    for name in filter(None, tracked):
-        path = REPO / name.decode()
-        if path.suffix not in {".py", ".md", ".txt", ".toml", ".cfg", ".sh", ".yaml", ".yml"}:
-            continue
-        if path == Path(__file__):
-            continue
-        text = path.read_text(errors="replace")
-        found += [f"{name.decode()}: {note}" for note in OUTSIDE_NOTES if note in text]
-    assert not found, found
