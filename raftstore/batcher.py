@@ -19,6 +19,7 @@ from typing import Any
 from hastream.errors import LeadershipLost, Overloaded, RaftStoreError
 from raftstore import commands, limits
 from raftstore.state_machine import AppendResult, ItemResult
+from raftstore.threads import Spawn
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +27,10 @@ Propose = Callable[[bytes, Callable[[Any, RaftStoreError | None], None]], None]
 
 
 class Batcher:
-    """Owns one thread. `submit` may be called from any thread."""
+    """Runs one thread, started through `spawn` (the node's threads.Threads). `submit` may
+    be called from any thread."""
 
-    def __init__(self, group_id: int, propose: Propose) -> None:
+    def __init__(self, group_id: int, propose: Propose, *, spawn: Spawn) -> None:
         self._group_id = group_id
         self._propose = propose
         self._queue: collections.deque[
@@ -44,8 +46,7 @@ class Batcher:
         self._closed = False
         self.entries_proposed = 0
         self.items_proposed = 0
-        self._thread = threading.Thread(target=self._run, name=f"batcher-{group_id}", daemon=True)
-        self._thread.start()
+        self._thread = spawn(f"batcher-{group_id}", self._run)
 
     def submit(self, item: commands.AppendItem) -> Future[tuple[int, ItemResult]]:
         future: Future[tuple[int, ItemResult]] = Future()
@@ -83,6 +84,7 @@ class Batcher:
         with self._condition:
             self._closed = True
             self._condition.notify_all()
+        # Waited for here too: the queue is failed below only once the loop takes no more.
         self._thread.join(timeout=5)
         with self._condition:
             while self._queue:

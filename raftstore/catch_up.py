@@ -40,6 +40,7 @@ from raftstore import limits
 from raftstore.health import RepairProgress
 from raftstore.storage.files import REAL_FILES, Files
 from raftstore.storage.segments import DataRecord, TableLog
+from raftstore.threads import Spawn
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,9 @@ class _Cancelled(Exception):
 
 
 class Repairer:
-    """Runs one repair job at a time in its own thread. `start`, `cancel` and
-    `take_outcome` are called from the applier's thread; `progress` from any thread."""
+    """Runs one repair job at a time, each in a thread started through `spawn` (the node's
+    threads.Threads, which forgets finished jobs). `start`, `cancel` and `take_outcome` are
+    called from the applier's thread; `progress` from any thread."""
 
     def __init__(
         self,
@@ -104,6 +106,7 @@ class Repairer:
         fetch: FetchRecords,
         peers: Sequence[NodeAddress],
         *,
+        spawn: Spawn,
         deadline_s: float = limits.REPAIR_DEADLINE_S,
         files: Files = REAL_FILES,
     ) -> None:
@@ -112,6 +115,7 @@ class Repairer:
         self._side_root = side_root
         self._fetch = fetch
         self._peers = tuple(peers)
+        self._spawn = spawn
         self._deadline_s = deadline_s
         self._lock = threading.Lock()
         self._generation = 0
@@ -143,14 +147,10 @@ class Repairer:
                 rows_wanted=sum(gap.offset_to - gap.offset_from for gap in gaps),
             )
             cancel = self._cancel
-        thread = threading.Thread(
-            target=self._run,
-            args=(generation, tuple(gaps), cancel),
-            name=f"repair-{self._group_id}",
-            daemon=True,
+        job = tuple(gaps)
+        self._thread = self._spawn(
+            f"repair-{self._group_id}", lambda: self._run(generation, job, cancel)
         )
-        self._thread = thread
-        thread.start()
         log.info(
             "repair started group=%d generation=%d tables=%s",
             self._group_id,

@@ -8,8 +8,8 @@ clients see a pause of a round trip and an election instead of an election timeo
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -17,6 +17,7 @@ from hastream.errors import RaftStoreError
 from hastream.model import LOCAL_GROUP, NodeAddress
 from raftstore import limits
 from raftstore.group import Group
+from raftstore.threads import Spawn
 
 log = logging.getLogger(__name__)
 
@@ -24,19 +25,16 @@ log = logging.getLogger(__name__)
 Transfer = Callable[[NodeAddress, int, str, float], str]
 
 
-def hand_over(groups: list[Group], timeout_s: float) -> None:
-    """Hand every Raft group this node leads to a follower, all at once, and wait at most
-    `timeout_s` in all. A transfer that fails is logged: the node stops anyway, and the
-    group elects a leader after its election timeout."""
+def hand_over(groups: list[Group], timeout_s: float, spawn: Spawn) -> None:
+    """Hand every Raft group this node leads to a follower, all at once (one thread each,
+    started through `spawn`), and wait at most `timeout_s` in all. A transfer that fails is
+    logged: the node stops anyway, and the group elects a leader after its election
+    timeout."""
     leading = [group for group in groups if group.group_id != LOCAL_GROUP and group.is_leader()]
     threads = [
-        threading.Thread(
-            target=_hand_over_one, args=(group, timeout_s), name=f"hand-over-{group.group_id}"
-        )
+        spawn(f"hand-over-{group.group_id}", functools.partial(_hand_over_one, group, timeout_s))
         for group in leading
     ]
-    for thread in threads:
-        thread.start()
     deadline = time.monotonic() + timeout_s + 1.0
     for thread in threads:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -33,6 +33,7 @@ from raftstore.storage import checkpoint, group_checkpoint
 from raftstore.storage.files import REAL_FILES, Files
 from raftstore.storage.group_checkpoint import GroupCheckpoint
 from raftstore.storage.journal import DurableJournal
+from raftstore.threads import Spawn
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,10 @@ class LocalReplica:
         role: RoleSignal,
         checkpoint_interval_s: float,
         *,
+        spawn: Spawn,
         files: Files = REAL_FILES,
     ) -> None:
+        """Recovers, then runs the group's loop on a thread started through `spawn`."""
         self._hooks = hooks
         self._files = files
         self._journal = DurableJournal(directory, files=files)
@@ -70,8 +73,7 @@ class LocalReplica:
         self._last_checkpoint = time.monotonic()
         self._checkpoint_requested = False
         role.set(True)  # the only member: always the leader
-        self._thread = threading.Thread(target=self._run, name="local-replica", daemon=True)
-        self._thread.start()
+        self._thread = spawn("local-replica", self._run)
 
     def _recover(self) -> None:
         if self._files.exists(self._checkpoint_path):
@@ -232,5 +234,5 @@ class LocalReplica:
         with self._condition:
             self._closed = True
             self._condition.notify_all()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=10)  # the loop writes the journal: it stops first
         self._journal.close()

@@ -5,6 +5,12 @@ applier, replica (which calls the applier), group commit, group. pysyncobj's tic
 stops when the thread that built its SyncObj exits, so `run()` builds every replica on the
 calling (main) thread and keeps that thread alive until a signal asks the node to stop.
 
+Threads: every long-lived thread of the node (group commit, the local replica, repair jobs,
+housekeeping, watch, scrub, slow consumers, the status port, hand-over) is started through
+one `threads.Threads`, whose `start` each component is given, and joined by `stop()` within
+`_THREADS_JOIN_S` once everything has been told to stop. pysyncobj's own threads belong to
+replication.py; request-scoped threads (gRPC's pool, a stream's reader) to their request.
+
 Ready means ready: NODE READY is printed once every group has replayed its local log and
 is not in doubt (no repair running), with the gRPC server already up (peers repairing from
 this node, and operators asking for status, need it before then).
@@ -19,7 +25,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -51,6 +56,7 @@ from raftstore.slow_consumers import SlowConsumers
 from raftstore.stats import subscriber_lag
 from raftstore.status_http import StatusServer
 from raftstore.storage.files import REAL_FILES, ensure_dir, raise_fd_soft_limit
+from raftstore.threads import Threads
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,9 @@ READY_LINE = "NODE READY alias={alias} port={port}"
 _HOUSEKEEPING_S = 5.0
 # How often the watch thread updates the gRPC health status and checks preferred leaders.
 _WATCH_S = 0.5
+# stop() waits this long in all for the node's threads, once told to stop (they are daemons:
+# one that misses it is logged, and does not hold the process).
+_THREADS_JOIN_S = 10.0
 # The gRPC health service names (grpc.health.v1): "" is the whole server.
 HEALTH_SERVICES = ("", "hastream.v1.StreamTable")
 
@@ -90,7 +99,11 @@ class Node:
             leader_access=lambda: self.catalog.leader_access_control(fresh=True),
             peers=self.peer_verifier,
         )
-        self.slow_consumers = SlowConsumers(cluster.slow_consumer_timeout_s)
+        # First: every part below that runs a thread is given its `start`.
+        self._threads = Threads()
+        self.slow_consumers = SlowConsumers(
+            cluster.slow_consumer_timeout_s, spawn=self._threads.start
+        )
         # The first admin's password, while the cluster may have no user (None after).
         self._admin_password = (
             bootstrap_password(cluster.admin_password_file, os.environ)
@@ -106,7 +119,6 @@ class Node:
         self._stopping = threading.Event()
         self._server: grpc.Server | None = None
         self._lock_fds: list[int] = []
-        self._threads: list[threading.Thread] = []
         self.catalog: Catalog
         self._digests = DigestChecker(self._peers)
         self._next_digest_at = time.monotonic() + cluster.digest_interval_s
@@ -164,12 +176,12 @@ class Node:
         self.catalog = self._build_catalog()
         self._start_server()
         self._start_status_server()
-        self._start_thread(self._housekeeping, "housekeeping")
-        self._start_thread(self._watch, "watch")
+        self._threads.start("housekeeping", self._housekeeping)
+        self._threads.start("watch", self._watch)
         self.slow_consumers.start(self._stopping)
         if self._scrubber is not None:
             scrubber = self._scrubber
-            self._start_thread(lambda: scrubber.run(self._stopping), "scrub")
+            self._threads.start("scrub", lambda: scrubber.run(self._stopping))
 
     def _lock_directory(self, directory: Path) -> None:
         """Two processes must never write one node's files: hold an exclusive lock."""
@@ -187,7 +199,13 @@ class Node:
         return Member(address=node.address, advertised=node.advertised_address)
 
     def _build_applier(self, group_id: int, data_dir: Path, peers: list[NodeAddress]) -> Applier:
-        repairer = Repairer(group_id, data_dir / REPAIR_DIR, self._peers.fetch_records, peers)
+        repairer = Repairer(
+            group_id,
+            data_dir / REPAIR_DIR,
+            self._peers.fetch_records,
+            peers,
+            spawn=self._threads.start,
+        )
         settings = ApplierSettings(group_id=group_id, data_dir=data_dir)
         return Applier(settings, repairer, Retention())
 
@@ -201,9 +219,13 @@ class Node:
         role = RoleSignal()
         applier = self._build_applier(LOCAL_GROUP, settings.data_dir, [])
         replica = LocalReplica(
-            self.config.ha_dir / "local", applier, role, self.cluster.purge_interval_s
+            self.config.ha_dir / "local",
+            applier,
+            role,
+            self.cluster.purge_interval_s,
+            spawn=self._threads.start,
         )
-        batcher = Batcher(LOCAL_GROUP, replica.propose)
+        batcher = Batcher(LOCAL_GROUP, replica.propose, spawn=self._threads.start)
         self._groups[LOCAL_GROUP] = Group(settings, applier, replica, role, batcher)
 
     def _start_raft_group(self, group_id: int) -> None:
@@ -230,7 +252,7 @@ class Node:
         role = RoleSignal()
         applier = self._build_applier(group_id, settings.data_dir, peers)
         replica = RaftReplica(raft, applier, role)
-        batcher = Batcher(group_id, replica.propose)
+        batcher = Batcher(group_id, replica.propose, spawn=self._threads.start)
         self._groups[group_id] = Group(settings, applier, replica, role, batcher)
 
     def _build_catalog(self) -> Catalog:
@@ -241,11 +263,6 @@ class Node:
             for alias in self.cluster.group(catalog_id).members
         }
         return Catalog(catalog_id, self._groups.get(catalog_id), members, self._peers)
-
-    def _start_thread(self, target: Callable[[], None], name: str) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        self._threads.append(thread)
-        thread.start()
 
     def _housekeeping(self) -> None:  # the node's housekeeping loop: runs until stop()
         """Reconcile the catalog of table names; compare replica digests when due."""
@@ -368,7 +385,7 @@ class Node:
         port = self.config.metrics_port
         if port is None:
             return
-        self._status_server = StatusServer(self, self.config.host, port)
+        self._status_server = StatusServer(self, self.config.host, port, spawn=self._threads.start)
         self._status_server.start()
         log.info("metrics and status page on http://%s:%d/", self.config.host, port)
 
@@ -414,18 +431,18 @@ class Node:
 
     def stop(self) -> None:
         """Hand every group this node leads to a follower (bounded), then stop serving,
-        then close the groups."""
+        then close the groups, then join the node's threads (bounded)."""
         self._stopping.set()
         self._health.enter_graceful_shutdown()
         if self._server is not None:  # started: groups may lead, and clients are connected
-            hand_over(self.groups(), limits.SHUTDOWN_TRANSFER_TIMEOUT_S)
+            hand_over(self.groups(), limits.SHUTDOWN_TRANSFER_TIMEOUT_S, self._threads.start)
         if self._status_server is not None:
             self._status_server.close()
         if self._server is not None:
             self._server.stop(grace=2).wait()
         for group in self._groups.values():
             group.close()
-        for thread in self._threads:
-            thread.join(timeout=10)
+        # Everything has been told to stop (_stopping, each close): this only waits.
+        self._threads.join(_THREADS_JOIN_S)
         self._peers.close()
         log.info("node stopped alias=%s", self.alias)

@@ -127,6 +127,7 @@ class PublishStream:
         self._reading = True  # False once the client half-closed or the reader stopped
         self._group: Group | None = None  # the one group this stream carries (reader thread)
         self._closed = False
+        # Not the node's threads.Threads: request-scoped, it ends with this one gRPC stream.
         self._reader = threading.Thread(target=self._read, name="publish-stream", daemon=True)
 
     # --- reader thread -----------------------------------------------------------------

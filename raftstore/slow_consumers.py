@@ -7,8 +7,9 @@ connection answers keepalive pings). As NATS does with a slow consumer, a send t
 waited `timeout_s` for the subscriber is ended with RESOURCE_EXHAUSTED and a message that
 says why; the client resubscribes from its offset when it reads again.
 
-Threads: each stream marks its sends from its own request thread; one daemon thread of the
-`SlowConsumers` checks them every `CHECK_S` and cancels the overdue ones.
+Threads: each stream marks its sends from its own request thread; one thread, started by
+`start` through the node's `spawn` (threads.py), checks them every `CHECK_S` and cancels the
+overdue ones.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import grpc
 
 from hastream import wire
 from raftstore.log_limits import OncePerInterval
+from raftstore.threads import Spawn
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +46,25 @@ class _Watch:
 class SlowConsumers:
     """Watches the sends of the streams it is given (see the module docstring)."""
 
-    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, timeout_s: float, *, spawn: Spawn, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.timeout_s = timeout_s
+        self._spawn = spawn
         self._clock = clock
         self._lock = threading.Lock()
         self._watches: set[_Watch] = set()
         self.disconnected = 0
         self._log = OncePerInterval()
-        self._thread: threading.Thread | None = None
 
     def start(self, stopping: threading.Event) -> None:
+        """Check every `CHECK_S` until `stopping` is set (the node joins the thread)."""
+
         def run() -> None:
             while not stopping.wait(CHECK_S):
                 self.check()
 
-        self._thread = threading.Thread(target=run, name="slow-consumers", daemon=True)
-        self._thread.start()
+        self._spawn("slow-consumers", run)
 
     def watched(self, context: grpc.ServicerContext, messages: Iterable[T]) -> Iterator[T]:
         """`messages`, each sent under watch: a send that waits past `timeout_s` ends the

@@ -29,6 +29,7 @@ from raftstore.status_page import (
     rows_by_table,
     status_document,
 )
+from raftstore.threads import Spawn
 
 log = logging.getLogger(__name__)
 
@@ -37,30 +38,31 @@ REQUEST_TIMEOUT_S: Final = 10.0
 
 
 class StatusServer:
-    """Serves the node's metrics and status page on `host:port` from a daemon thread."""
+    """Serves the node's metrics and status page on `host:port` from a thread that `start`
+    starts through `spawn` (the node's threads.Threads)."""
 
-    def __init__(self, source: MetricsSource, host: str, port: int) -> None:
+    def __init__(self, source: MetricsSource, host: str, port: int, *, spawn: Spawn) -> None:
         self._source = source
         self._registry = registry_for(source)
         self._rates = RateTracker()
         self._slots = threading.BoundedSemaphore(REQUESTS_MAX)
         self._server = ThreadingHTTPServer((host, port), self._handler_class())
         self._server.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="status-http", daemon=True
-        )
+        self._spawn = spawn
+        self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
         return int(self._server.server_address[1])
 
     def start(self) -> None:
-        self._thread.start()
+        self._thread = self._spawn("status-http", self._server.serve_forever)
 
     def close(self) -> None:
-        self._server.shutdown()
+        if self._thread is not None:  # shutdown() waits for a serve_forever that started
+            self._server.shutdown()
+            self._thread.join(timeout=5)
         self._server.server_close()
-        self._thread.join(timeout=5)
 
     def respond(self, path: str, accept: str) -> tuple[int, str, bytes]:
         """(status, content type, body) for GET `path`."""

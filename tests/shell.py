@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from raftstore.replica import RoleSignal
 from raftstore.retention import Retention
 from raftstore.storage.files import REAL_FILES, Files, PowerLoss, SimFiles
 from raftstore.storage.segments import DataRecord
+from raftstore.threads import Threads
 from tests.harness import wait_until
 
 SELF = NodeAddress("127.0.0.1", 1, "self")
@@ -41,12 +42,19 @@ class Shell:
     checkpoint_interval_s: float = 3600.0
     files: Files = REAL_FILES
     group: Group | None = None
+    # The threads' owner, as Node's (a restart builds the group again on the same owner).
+    threads: Threads = field(default_factory=Threads)
 
     def start(self) -> Shell:
         data_dir = self.root / "persistence" / "local"
         role = RoleSignal()
         repairer = Repairer(
-            LOCAL_GROUP, data_dir / REPAIR_DIR, self.fetch, self.peers, files=self.files
+            LOCAL_GROUP,
+            data_dir / REPAIR_DIR,
+            self.fetch,
+            self.peers,
+            spawn=self.threads.start,
+            files=self.files,
         )
         settings = ApplierSettings(group_id=LOCAL_GROUP, data_dir=data_dir, files=self.files)
         applier = Applier(settings, repairer, Retention())
@@ -55,9 +63,10 @@ class Shell:
             applier,
             role,
             self.checkpoint_interval_s,
+            spawn=self.threads.start,
             files=self.files,
         )
-        batcher = Batcher(LOCAL_GROUP, replica.propose)
+        batcher = Batcher(LOCAL_GROUP, replica.propose, spawn=self.threads.start)
         group_settings = GroupSettings(
             group_id=LOCAL_GROUP,
             data_dir=data_dir,
@@ -73,6 +82,7 @@ class Shell:
         if self.group is not None:
             self.group.close()
             self.group = None
+        self.threads.join(10.0)
 
     def restart(self) -> None:
         self.stop()

@@ -11,6 +11,7 @@ import pytest
 from hastream.errors import LeadershipLost, Overloaded, RaftStoreError
 from raftstore import commands, limits
 from raftstore.batcher import Batcher
+from raftstore.threads import Threads
 from tests.harness import wait_until
 
 pytestmark = pytest.mark.unit
@@ -47,7 +48,7 @@ def test_step_down_fails_in_flight_and_queued_publishes_and_proposes_none_later(
 ) -> None:
     monkeypatch.setattr(limits, "PROPOSALS_IN_FLIGHT_MAX", 1)
     proposals = HeldProposals()
-    batcher = Batcher(2, proposals)
+    batcher = Batcher(2, proposals, spawn=Threads().start)
     try:
         first = batcher.submit(_item(1))
         wait_until(lambda: proposals.count() == 1, timeout_s=5)
@@ -73,7 +74,7 @@ def test_step_down_fails_in_flight_and_queued_publishes_and_proposes_none_later(
 
 def test_the_queue_refuses_payload_bytes_past_its_bound() -> None:
     held = HeldProposals()
-    batcher = Batcher(2, held)
+    batcher = Batcher(2, held, spawn=Threads().start)
     try:
         big = commands.AppendItem(
             table="t", producer_id=b"", sequence=0, payload=b"x" * limits.BATCH_BYTES_MAX

@@ -18,6 +18,7 @@ from raftstore.catch_up import Repairer, TableGap
 from raftstore.health import ReplicaState
 from raftstore.storage.files import Fault, SimFiles
 from raftstore.storage.segments import DataRecord, TableLog
+from raftstore.threads import Threads
 from tests.harness import wait_until
 from tests.shell import Shell, raises
 
@@ -262,7 +263,7 @@ def test_a_repair_that_fills_the_disk_waits_and_fetches_again(tmp_path: Path) ->
 
     files = SimFiles(seed=1)
     files.fail(Fault(errno.ENOSPC, op="writev", path_part="side", times=2))
-    repairer = Repairer(0, tmp_path / "side", fetch, [PEER], files=files)
+    repairer = Repairer(0, tmp_path / "side", fetch, [PEER], spawn=Threads().start, files=files)
     repairer.start([_gap("t", 200)])
     outcome = wait_until(repairer.take_outcome, timeout_s=20, message="repaired after ENOSPC")
     (fetched,) = outcome.tables
@@ -299,7 +300,7 @@ def test_a_new_repair_cancels_the_running_one_and_only_its_outcome_counts(
             release.wait(10)
         yield from healthy.g.store(table).records(offset_from, offset_to)
 
-    repairer = Repairer(0, tmp_path / "side", fetch, [PEER])
+    repairer = Repairer(0, tmp_path / "side", fetch, [PEER], spawn=Threads().start)
     first = repairer.start([_gap("t", 200)])
     assert first_call.wait(10)
     second = repairer.start([_gap("t", 200)])
@@ -336,7 +337,7 @@ def test_peers_that_retained_nothing_before_an_offset_restart_an_empty_table_the
             raise OffsetOutOfRange(table, offset_from, 50, 100)
         yield from healthy.g.store(table).records(offset_from, offset_to)
 
-    repairer = Repairer(0, tmp_path / "side", fetch, [PEER, OTHER])
+    repairer = Repairer(0, tmp_path / "side", fetch, [PEER, OTHER], spawn=Threads().start)
     repairer.start([_gap("t", 100)])
     outcome = wait_until(repairer.take_outcome, timeout_s=10, message="repaired")
     (fetched,) = outcome.tables
@@ -363,7 +364,7 @@ def test_a_record_past_the_gap_is_a_protocol_error(tmp_path: Path) -> None:
         errors.append(str(peer))
         yield from healthy.g.store(table).records(offset_from, 100)
 
-    repairer = Repairer(0, tmp_path / "side", fetch, [PEER])
+    repairer = Repairer(0, tmp_path / "side", fetch, [PEER], spawn=Threads().start)
     repairer.start([_gap("t", 60)])
     wait_until(lambda: len(errors) >= 2, timeout_s=10, message="retried after the bad record")
     assert repairer.take_outcome() is None

@@ -21,6 +21,7 @@ from proto import hastream_pb2_grpc
 from raftstore import limits
 from raftstore.admission import StreamSlots
 from raftstore.slow_consumers import SlowConsumers
+from raftstore.threads import Threads
 from tests.harness import AckedPublisher, LocalCluster, ipc_stream, wait_until
 from tests.shell import Shell, raises
 
@@ -183,7 +184,7 @@ class _Context:
 @pytest.mark.unit
 def test_a_send_waiting_past_the_timeout_cancels_its_stream_once() -> None:
     now = [0.0]
-    consumers = SlowConsumers(5.0, clock=lambda: now[0])
+    consumers = SlowConsumers(5.0, spawn=Threads().start, clock=lambda: now[0])
     context = _Context()
     stream = consumers.watched(context, iter(["a", "b"]))  # type: ignore[arg-type]
     assert next(stream) == "a"  # "a" is being sent until the next step
