@@ -44,17 +44,18 @@ live in pysyncobj_patches.py with a guard on the pysyncobj version; the per-clas
 
 Our commands travel as `REGULAR` entries whose bytes are ours (`commands.py`), never pickle:
 `__doApplyCommand` is wrapped to hand them to the group's `apply` directly.
+
+The checkpoint file's layout is storage/raft_checkpoint.py's; leadership transfer is
+transfer.py's, over the member's view `RaftReplica` gives it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import struct
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -64,12 +65,10 @@ from pysyncobj.syncobj import SyncObjExceptionWrongVer
 
 from hastream.errors import (
     CorruptionError,
-    InvalidArgument,
     LeadershipLost,
     NotLeader,
     Overloaded,
     RaftStoreError,
-    TransferFailed,
 )
 from raftstore import limits, pysyncobj_patches
 from raftstore.identity import REJOIN_MARKER
@@ -80,10 +79,11 @@ from raftstore.stats import (
     HistogramSnapshot,
     LatencyHistogram,
 )
-from raftstore.storage import checkpoint, group_checkpoint
+from raftstore.storage import checkpoint, raft_checkpoint
 from raftstore.storage.files import REAL_FILES, ensure_dir
-from raftstore.storage.group_checkpoint import GroupCheckpoint
 from raftstore.storage.journal import DurableJournal, Entry
+from raftstore.storage.raft_checkpoint import RaftCheckpoint
+from raftstore.transfer import LeadershipTransfer
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,6 @@ _TRANSFER_RETRY_S: Final = 0.2
 _JOURNAL_TROUBLE_S: Final = 2.0
 # A checkpoint the applier wants is asked for at most this often.
 _CHECKPOINT_FORCE_S: Final = 1.0
-# A TimeoutNow that did not make the target stand for election is sent again after this.
-_TIMEOUT_NOW_RESEND_S: Final = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -361,51 +359,6 @@ def _failure(reason: int) -> RaftStoreError:
     return make()
 
 
-# The checkpoint trailer (storage/group_checkpoint.py): pysyncobj's last two entries, which
-# it needs to resume its log after the checkpoint: (idx u64 | term u64 | length u32 |
-# command) for the last applied entry, then the one before it.
-_TRAILER_ENTRY: Final = struct.Struct("<QQI")
-
-
-def _encode_trailer(last: Entry, previous: Entry) -> bytes:
-    parts: list[bytes] = []
-    for command, idx, term in (last, previous):
-        parts += [_TRAILER_ENTRY.pack(idx, term, len(command)), command]
-    return b"".join(parts)
-
-
-def _decode_trailer(path: Path, trailer: bytes) -> tuple[Entry, Entry]:
-    entries: list[Entry] = []
-    position = 0
-    for _ in range(2):
-        if position + _TRAILER_ENTRY.size > len(trailer):
-            raise CorruptionError(str(path), position, "checkpoint trailer is short")
-        idx, term, length = _TRAILER_ENTRY.unpack_from(trailer, position)
-        position += _TRAILER_ENTRY.size
-        command = trailer[position : position + length]
-        if len(command) != length:
-            raise CorruptionError(str(path), position, "checkpoint trailer entry is short")
-        entries.append((command, idx, term))
-        position += length
-    if position != len(trailer):
-        raise CorruptionError(str(path), position, "trailing bytes after the trailer entries")
-    return entries[0], entries[1]
-
-
-@dataclass(slots=True)
-class _Transfer:
-    """A leadership transfer under way: proposals are refused until it ends (`done`)."""
-
-    requested: str | None  # the member asked for (replica address); None: any caught-up one
-    deadline: float  # time.monotonic()
-    done: threading.Event = field(default_factory=threading.Event)
-    target: str | None = None  # the follower the last TimeoutNow went to
-    sent_at: float | None = None
-    last_index: int = 0  # the end of the log when TimeoutNow was sent
-    new_leader: str | None = None
-    error: RaftStoreError | None = None
-
-
 class RaftReplica:
     """One Raft member. Construct it on the process's main thread: pysyncobj's tick thread
     stops when the thread that built the SyncObj exits."""
@@ -476,10 +429,14 @@ class RaftReplica:
         self.checkpoint_bytes_last = 0
         self.leader_changes = 0
         self._last_leader: str | None = None
-        # Leadership transfer (transfer_leadership): set by a request thread under the lock,
-        # driven and ended by the tick thread; `propose` refuses while it is set.
-        self._transfer_lock = threading.Lock()
-        self._transfer: _Transfer | None = None
+        # Built before the SyncObj, whose tick thread drives it at once: it reads
+        # self._sync_obj only while a transfer is under way, and only a request starts one.
+        self._transfer = LeadershipTransfer(
+            self,
+            group_id=settings.group_id,
+            self_address=settings.self_address,
+            peer_addresses=settings.peer_addresses,
+        )
         log.info(
             "starting raft member group=%d self=%s peers=%s host=%s",
             settings.group_id,
@@ -554,27 +511,19 @@ class RaftReplica:
         last, previous, _cluster = data
         snapshot = self.hooks.checkpoint()
         self._snapshot_lsn = snapshot.lsn
-        body = group_checkpoint.encode(
-            GroupCheckpoint(
-                lsn=snapshot.lsn,
-                state=snapshot.state,
-                trailer=_encode_trailer(_entry(last), _entry(previous)),
-            )
+        image = RaftCheckpoint(
+            lsn=snapshot.lsn, state=snapshot.state, last=_entry(last), previous=_entry(previous)
         )
-        checkpoint.write_atomic(Path(file_name), group_checkpoint.KIND, body)
-        self.checkpoint_bytes_last = len(body)
+        self.checkpoint_bytes_last = raft_checkpoint.write(Path(file_name), image)
         self.checkpoint_latency.observe(time.monotonic() - started)
 
     def _deserialize(self, file_name: str) -> tuple[Entry, Entry, list[Any]]:
-        path = Path(file_name)
         try:
-            # A checkpoint a leader installed here was renamed into place without fsync, and
-            # pysyncobj clears the journal right after this returns: make it durable first.
-            _fsync_file_and_dir(path)
-            decoded = group_checkpoint.decode(checkpoint.read_checked(path, group_checkpoint.KIND))
-            last, previous = _decode_trailer(path, decoded.trailer)
-            self.hooks.restore(Snapshot(decoded.lsn, decoded.state))
-            last, previous = self._trim_journal_to(last, previous)
+            image = raft_checkpoint.read(Path(file_name))
+            self.hooks.restore(Snapshot(image.lsn, image.state))
+            last, previous = raft_checkpoint.trim_journal_to(
+                self._sync_obj._journal, image.last, image.previous
+            )
         except BaseException:
             # pysyncobj would log this and boot with an empty state. Refuse to start.
             log.critical("cannot load checkpoint %s; stopping", file_name, exc_info=True)
@@ -582,23 +531,6 @@ class RaftReplica:
             os._exit(71)
         self._checkpoint_pending_load = False
         return last, previous, []
-
-    def _trim_journal_to(self, last: Entry, previous: Entry) -> tuple[Entry, Entry]:
-        """Make the journal start with the checkpoint's two entries when it holds them, so
-        pysyncobj keeps every entry after them (it clears the journal on any mismatch)."""
-        journal = self._sync_obj._journal
-        if len(journal) == 0:
-            return last, previous
-        first_idx = journal[0][1]
-        position = previous[1] - first_idx
-        if position < 0 or position + 1 >= len(journal):
-            return last, previous
-        held_previous, held_last = journal[position], journal[position + 1]
-        if (held_previous[1:], held_last[1:]) != (previous[1:], last[1:]):
-            return last, previous
-        if position > 0:
-            journal.drop_first(position)
-        return journal[1], journal[0]
 
     # --- API for the group (any thread) ---
 
@@ -612,13 +544,10 @@ class RaftReplica:
             else:
                 callback(None, _failure(reason))
 
-        with self._transfer_lock:
-            # Under the lock: once a transfer is set, nothing more enters pysyncobj's queue,
-            # so the target can hold every entry before it is asked to take over.
-            if self._transfer is None:
-                self._sync_obj._applyCommand(_TAG_REGULAR + command, done)
-                return
-        callback(None, LeadershipLost("leadership is being transferred"))
+        if not self._transfer.admit(
+            lambda: self._sync_obj._applyCommand(_TAG_REGULAR + command, done)
+        ):
+            callback(None, LeadershipLost("leadership is being transferred"))
 
     def is_leader(self) -> bool:
         return bool(self._sync_obj._isLeader())
@@ -642,94 +571,21 @@ class RaftReplica:
         leader = self._sync_obj._getLeader()
         return None if leader is None else str(leader.address)
 
-    # --- leadership transfer ---
+    # --- leadership transfer (transfer.py) ---
 
     def transfer_leadership(self, target: str | None, timeout_s: float) -> str:
-        """Hand this group's leadership to `target` (a member's replica address; None: the
-        first follower that holds every entry) and return the new leader's replica address.
-        Request thread; blocks up to `timeout_s`.
-
-        Raft's transfer (thesis 3.10): from now on proposals are refused (LeadershipLost:
-        the client retries, at the new leader); once everything proposed before is applied
-        here and the target's match index reaches the end of the log, pysyncobj's
-        `transferLeadership` sends it TimeoutNow and it stands for election at once, with
-        a log no voter can refuse. Raises NotLeader (not the leader), InvalidArgument (not a
-        member), TransferFailed (the target did not catch up or take over in time: this node
-        then takes proposals again). Concurrent requests join the one under way."""
-        if target == self.settings.self_address and self.is_leader():
-            return target
-        if target is not None and target not in self.settings.peer_addresses:
-            raise InvalidArgument("to", f"{target} is not a member of group {self.group_id}")
-        with self._transfer_lock:
-            if not self.is_leader():
-                raise NotLeader(None, self.group_id)
-            transfer = self._transfer
-            if transfer is None:
-                deadline = time.monotonic() + timeout_s
-                transfer = self._transfer = _Transfer(requested=target, deadline=deadline)
-                log.info("leadership transfer group=%d to=%s", self.group_id, target or "any")
-        # The tick thread ends it by its deadline; the margin covers a slow tick.
-        if not transfer.done.wait(timeout=timeout_s + 2.0):
-            raise TransferFailed(self.group_id, target, "the raft member did not answer")
-        if transfer.error is not None:
-            raise transfer.error
-        assert transfer.new_leader is not None, "a transfer ends with a leader or an error"
-        return transfer.new_leader
+        return self._transfer.request(target, timeout_s)
 
     def transfer_target(self) -> str | None:
-        """While a transfer is under way: the member asked to take over ("" before one is
-        chosen); None otherwise."""
-        transfer = self._transfer
-        if transfer is None:
-            return None
-        return transfer.target or transfer.requested or ""
+        return self._transfer.target()
 
     def await_transfer(self, timeout_s: float) -> None:
-        transfer = self._transfer
-        if transfer is not None:
-            transfer.done.wait(timeout=timeout_s)
+        self._transfer.wait(timeout_s)
 
     def drive_transfer(self) -> None:
-        """Tick thread: advance the transfer under way, if any (transfer_leadership)."""
-        transfer = self._transfer
-        if transfer is None:
-            return
-        now = time.monotonic()
-        sync_obj = self._sync_obj
-        if sync_obj._SyncObj__raftState != _STATE_LEADER:
-            leader = self.leader_address()
-            # Done once the new leader committed its first entry (past the log handed over):
-            # it takes writes from then on.
-            if (
-                leader is not None
-                and leader != self.settings.self_address
-                and self.commit_index > transfer.last_index
-            ):
-                self._end_transfer(transfer, new_leader=leader)
-            elif now >= transfer.deadline:
-                reason = "stepped down, but no new leader was heard of in time"
-                self._end_transfer(transfer, error=reason)
-            return
-        if now >= transfer.deadline:
-            reason = (
-                "the target did not catch up in time"
-                if transfer.sent_at is None
-                else "the target did not take over in time"
-            )
-            self._end_transfer(transfer, error=reason)
-            return
-        if transfer.sent_at is not None and now - transfer.sent_at < _TIMEOUT_NOW_RESEND_S:
-            return
-        node = self._caught_up_follower(transfer.requested)
-        if node is None:
-            return  # replication (a heartbeat at most 50 ms away) brings it up to date
-        transfer.target = str(node.address)
-        transfer.sent_at = now
-        transfer.last_index = self._last_log_index()
-        log.info("sending TimeoutNow group=%d target=%s", self.group_id, transfer.target)
-        sync_obj.transferLeadership(node)
+        self._transfer.drive()
 
-    def _caught_up_follower(self, requested: str | None) -> Any:
+    def caught_up_follower(self, requested: str | None) -> tuple[str, object] | None:
         """A connected follower (`requested`, or any) whose log holds every entry, once
         everything this leader accepted is in its log and applied; else None."""
         sync_obj = self._sync_obj
@@ -747,21 +603,10 @@ class RaftReplica:
             and match_index.get(node, 0) >= last_index
             and (requested is None or str(node.address) == requested)
         )
-        return ready[0][1] if ready else None
+        return ready[0] if ready else None
 
-    def _end_transfer(
-        self, transfer: _Transfer, *, new_leader: str | None = None, error: str = ""
-    ) -> None:
-        if error:
-            transfer.error = TransferFailed(self.group_id, transfer.requested, error)
-            log.warning("leadership transfer failed group=%d: %s", self.group_id, error)
-        else:
-            transfer.new_leader = new_leader
-            log.info("leadership transferred group=%d leader=%s", self.group_id, new_leader)
-        with self._transfer_lock:
-            if self._transfer is transfer:
-                self._transfer = None
-        transfer.done.set()
+    def send_timeout_now(self, follower: object) -> None:
+        self._sync_obj.transferLeadership(follower)
 
     def observe_leader(self) -> None:
         """Tick thread: count changes of the leader this member knows (leader_changes)."""
@@ -776,7 +621,7 @@ class RaftReplica:
     def group_id(self) -> int:
         return self.settings.group_id
 
-    def _last_log_index(self) -> int:
+    def last_log_index(self) -> int:
         """The index of the last entry in the log (any thread; 0 while it is empty)."""
         try:
             return int(self._sync_obj._SyncObj__getCurrentLogIndex())
@@ -804,7 +649,7 @@ class RaftReplica:
             "has_quorum": bool(raw["has_quorum"]),
             "journal_bytes": self._sync_obj._journal.bytes_total,
             "journal_syncs": self._sync_obj._journal.syncs,
-            "last_log_index": self._last_log_index(),
+            "last_log_index": self.last_log_index(),
             "leader_changes": self.leader_changes,
             "transfer_target": self.transfer_target(),
             "checkpoint_bytes_last": self.checkpoint_bytes_last,
@@ -828,15 +673,6 @@ class RaftReplica:
 
     def close(self) -> None:
         self._sync_obj.destroy_synchronous()
-
-
-def _fsync_file_and_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    checkpoint.fsync_dir(path.parent)
 
 
 def _entry(raw: Any) -> Entry:
