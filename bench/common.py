@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from deploy.local_cluster import LocalCluster, wait_until
 from proto import hastream_pb2 as pb
+from raftstore import tuning
 
 REPO: Final = Path(__file__).resolve().parents[1]
 RESULTS_DIR: Final = REPO / "bench" / "results"
@@ -198,39 +199,38 @@ class CpuSample:
 # --- cluster -------------------------------------------------------------------------------
 
 
+def tuning_environment(knobs: str) -> dict[str, str]:
+    """The node environment for raftstore/tuning.py's `knobs` ("key=value,..."; "" = none).
+    Raises ConfigError for a bad knob, before any node starts."""
+    if not knobs:
+        return {}
+    tuning.parse(knobs, "check")
+    return {tuning.ENVIRONMENT_VARIABLE: knobs}
+
+
 @contextmanager
 def bench_cluster(
     *,
     purge_interval_s: float,
     election_timeout_s: float,
     keep: bool = False,
-    patches: str = "",
+    environment: dict[str, str] | None = None,
     hosts: dict[str, str] | None = None,
     launch_prefix: dict[str, tuple[str, ...]] | None = None,
 ) -> Iterator[LocalCluster]:
     """A three-node cluster under /tmp (the same disk as everything else on this machine),
-    removed afterwards unless `keep`. With `patches`, the nodes run bench.patched_node
-    (candidate changes, for A/B measurements only). `hosts` and `launch_prefix` (alias ->
+    removed afterwards unless `keep`. `environment` goes to every node process (e.g.
+    `tuning_environment`, for A/B measurements only). `hosts` and `launch_prefix` (alias ->
     address, command prefix) run the nodes elsewhere, e.g. in network namespaces."""
     root = Path(tempfile.mkdtemp(prefix="hastream-bench-"))
-    cluster: LocalCluster
-    if patches:
-        from bench.experiment import PatchedCluster
-
-        cluster = PatchedCluster(
-            root,
-            purge_interval_s=purge_interval_s,
-            election_timeout_s=election_timeout_s,
-            patches=patches,
-        )
-    else:
-        cluster = LocalCluster(
-            root,
-            purge_interval_s=purge_interval_s,
-            election_timeout_s=election_timeout_s,
-            hosts=dict(hosts or {}),
-            launch_prefix=dict(launch_prefix or {}),
-        )
+    cluster = LocalCluster(
+        root,
+        purge_interval_s=purge_interval_s,
+        election_timeout_s=election_timeout_s,
+        hosts=dict(hosts or {}),
+        launch_prefix=dict(launch_prefix or {}),
+        environment=dict(environment or {}),
+    )
     failed = False
     try:
         cluster.start()

@@ -1,15 +1,19 @@
-"""A/B measurement of candidate write-path changes (bench/patches.py) before they are written.
+"""A/B measurement of candidate write-path changes before they are written.
 
-    python -m bench.experiment --configs baseline inflight=1 tcp-recv \\
-        [--cells 1:1 4:1 1:10000 4:10000] [--columns 11] [--duration 3] [--repeat 3]
+    python -m bench.experiment --configs baseline proposals_in_flight=1 malloc-keep \\
+        [--cells 1:1 4:1 1:10000 4:10000] [--columns 11] [--duration 3] [--repeat 3] [--trace]
 
-Each config is a comma-separated list of patches ("baseline" = none). For every repeat, every
-config gets a fresh three-node cluster whose nodes run `python -m bench.patched_node`
-(the unmodified node after the patches), then the HA cells (threads:batch) run exactly as in
-bench.throughput. The configs' order rotates from repeat to repeat so drifting background
-load does not favour one. Reported: median rows/s and the speed-up over the first config,
-and node CPU per 10,000 rows (summed over the three node processes) - the cost of a row,
-which is less sensitive than rows/s to what else runs on the machine.
+Each config is a comma-separated list of knobs ("baseline" = none): `key=value` items are
+raftstore/tuning.py's knobs (HASTREAM_TUNING: proposals_in_flight, switch_interval_ms), and
+`malloc-keep` sets glibc's malloc environment for the node processes. The nodes are the
+unmodified product: a candidate that is not a knob is measured by writing it (on a branch)
+and comparing checkouts (bench/append_path.py), not by patching private names here. For
+every repeat, every config gets a fresh three-node cluster, then the HA cells
+(threads:batch) run exactly as in bench.throughput. The configs' order rotates from repeat
+to repeat so drifting background load does not favour one. Reported: median rows/s and the
+speed-up over the first config, and node CPU per 10,000 rows (summed over the three node
+processes) - the cost of a row, which is less sensitive than rows/s to what else runs on the
+machine. `--trace` has every node record where an entry's time goes (raftstore/trace.py).
 """
 
 from __future__ import annotations
@@ -17,60 +21,61 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
+from typing import Final
 
-from bench import common, patches, throughput
-from deploy.local_cluster import REPO, LocalCluster
+from bench import common, throughput
+from deploy.local_cluster import LocalCluster
+from raftstore import tuning
 
-
-@dataclass
-class PatchedCluster(LocalCluster):
-    """LocalCluster whose nodes run bench.patched_node with `patches`."""
-
-    patches: str = ""
-
-    def start_node(self, alias: str, *, wait: bool = True) -> None:
-        node = self.nodes[alias]
-        node.log_offset = node.log_path.stat().st_size if node.log_path.exists() else 0
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        env[patches.TRACE_ENV] = str(self.trace_path(alias))
-        env.update(patches.environment([name for name in self.patches.split(",") if name]))
-        command = [sys.executable, "-m", "bench.patched_node", "--patches", self.patches, "--"]
-        command += ["--config", str(self.config_path), "--node", alias]
-        with node.log_path.open("ab") as log_file:
-            node.process = subprocess.Popen(
-                command,
-                cwd=REPO,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        if wait:
-            self.wait_node_ready(alias)
-
-    def trace_path(self, alias: str) -> Path:
-        return self.root / f"{alias}-trace.json"
-
-    def traces(self) -> dict[str, dict[str, dict[str, float]]]:
-        """Per node, the trace patch's stage summary (after stop)."""
-        found = {}
-        for alias in self.nodes:
-            path = self.trace_path(alias)
-            if path.exists():
-                found[alias] = json.loads(path.read_text())
-        return found
+# Environment presets (they must be in place before the node's interpreter starts).
+ENVIRONMENT: Final[dict[str, dict[str, str]]] = {
+    # glibc: serve allocations below 64 MiB from the heap and never trim it, so the
+    # multi-MB buffers of every entry reuse memory instead of mmap-ing fresh pages.
+    "malloc-keep": {
+        "MALLOC_MMAP_THRESHOLD_": str(64 << 20),
+        "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+        "MALLOC_TOP_PAD_": str(64 << 20),
+    },
+}
 
 
-def _patches(config: str, *, trace: bool) -> str:
-    names = [] if config == "baseline" else config.split(",")
-    return ",".join([*names, "trace"] if trace else names)
+def node_environment(config: str, root: Path, *, trace: bool) -> dict[str, str]:
+    """The node processes' environment for `config`. Raises ConfigError (a bad knob)."""
+    knobs: list[str] = []
+    environment: dict[str, str] = {}
+    for item in [] if config == "baseline" else config.split(","):
+        if item in ENVIRONMENT:
+            environment.update(ENVIRONMENT[item])
+        elif "=" in item:
+            knobs.append(item)
+        else:
+            known = ", ".join([*ENVIRONMENT, *tuning.Tuning.__dataclass_fields__])
+            raise SystemExit(f"config {config!r}: unknown item {item!r} (known: {known})")
+    if trace:
+        knobs.append(f"trace_file={trace_path(root, '<ALIAS>')}")
+    tuning.parse(",".join(knobs), "check")  # refuse a bad knob here, not in three node logs
+    if knobs:
+        environment[tuning.ENVIRONMENT_VARIABLE] = ",".join(knobs)
+    return environment
+
+
+def trace_path(root: Path, alias: str) -> Path:
+    return root / f"{alias}-trace.json"
+
+
+def read_traces(cluster: LocalCluster) -> dict[str, dict[str, dict[str, float]]]:
+    """Per node, its trace summary (written when the node stopped)."""
+    found = {}
+    for alias in cluster.nodes:
+        path = trace_path(cluster.root, alias)
+        if path.exists():
+            found[alias] = json.loads(path.read_text())
+    return found
 
 
 def cpu_ms_per_10k_rows(result: throughput.CellResult) -> float:
@@ -103,11 +108,11 @@ def run(args: argparse.Namespace) -> int:
         for config in args.configs[shift:] + args.configs[:shift]:
             versions.add(common.code_version())  # what the nodes about to start will run
             root = Path(tempfile.mkdtemp(prefix="hastream-experiment-"))
-            cluster = PatchedCluster(
+            cluster = LocalCluster(
                 root,
                 purge_interval_s=60.0,
                 election_timeout_s=1.5,
-                patches=_patches(config, trace=args.trace),
+                environment=node_environment(config, root, trace=args.trace),
             )
             try:
                 cluster.start()
@@ -123,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                             print(f"{config:>40} {throughput._progress_line(result)}", flush=True)
             finally:
                 cluster.stop()
-                for alias, summary in cluster.traces().items():
+                for alias, summary in read_traces(cluster).items():
                     role = "leader" if any(k.startswith("leader") for k in summary) else "follower"
                     traces.setdefault(config, []).append({"node": alias, "role": role, **summary})
                 shutil.rmtree(root, ignore_errors=True)
@@ -196,7 +201,7 @@ def trace_report(traces: dict[str, list[dict[str, object]]]) -> str:
     """Median over runs of each stage's p50, for the leader and for the followers."""
     lines: list[str] = []
     for config, runs in traces.items():
-        lines += ["", f"## Where an entry's time goes: `{config}` (trace patch, ms)", ""]
+        lines += ["", f"## Where an entry's time goes: `{config}` (raftstore/trace.py, ms)", ""]
         lines += ["| node | stage | p50 | p90 | mean | count |", "|---|---|---:|---:|---:|---:|"]
         for role in ("leader", "follower"):
             stages: dict[str, list[dict[str, float]]] = {}
@@ -234,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=3.0)
     parser.add_argument("--cell-mb", type=float, default=200.0)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--trace", action="store_true", help="add the trace patch; report stages")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="nodes record where an entry's time goes; report the stages",
+    )
     parser.add_argument("--name", default="experiment")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR / "experiments")
     return run(parser.parse_args(argv))

@@ -53,6 +53,7 @@ from api_clients.hedge import HEDGE_DELAY_S_DEFAULT
 from bench import common
 from deploy import netns
 from deploy.local_cluster import LocalCluster, wait_until
+from raftstore import tuning
 
 TABLE = "failover_ticks"
 TARGET_RECOVERY_S = 3.0
@@ -303,7 +304,7 @@ def markdown(outcome: Outcome, args: argparse.Namespace, meta: dict[str, object]
         f"(api_clients Publisher, retries with the same producer id/sequence); "
         f"election timeout {args.election_timeout:g} s (max {1.5 * args.election_timeout:g} s); "
         f"load average {meta['load']:.1f} (2 cores, shared)."
-        + (f" Nodes run with bench.patches `{args.patches}`." if args.patches else "")
+        + (f" Nodes run with HASTREAM_TUNING `{args.tuning}`." if args.tuning else "")
         + (" Client without its hedge (`--no-hedge`)." if args.no_hedge else ""),
         "",
         "| round | leader lost | new leader | election s | terms | publishes succeed again s "
@@ -348,7 +349,7 @@ def run(
     with common.bench_cluster(
         purge_interval_s=60.0,
         election_timeout_s=args.election_timeout,
-        patches=args.patches,
+        environment={tuning.ENVIRONMENT_VARIABLE: args.tuning} if args.tuning else None,
         hosts=network.hosts() if network is not None else None,
         launch_prefix=network.prefixes() if network is not None else None,
     ) as cluster:
@@ -404,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=100, help="rows per batch")
     parser.add_argument("--settle", type=float, default=3.0, help="s of steady load per phase")
     parser.add_argument("--election-timeout", type=float, default=1.5)
-    parser.add_argument("--patches", default="", help="bench.patches to apply (A/B only)")
+    parser.add_argument(
+        "--tuning", default="", help="HASTREAM_TUNING for the nodes (raftstore/tuning.py; A/B only)"
+    )
     parser.add_argument(
         "--no-hedge",
         action="store_true",
@@ -423,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     network: netns.NamespaceNetwork | None = None
     if args.mode == "partition":
         reason = netns.unavailable()
-        if reason is not None or args.patches:
-            parser.error(reason or "--partition runs unpatched nodes only")
+        if reason is not None:
+            parser.error(reason)
         network = netns.NamespaceNetwork.create(["node1", "node2", "node3"])
     try:
         publisher = run(args, outcome, network)

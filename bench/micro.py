@@ -39,9 +39,9 @@ import pyarrow as pa
 import pysyncobj.pickle as pysyncobj_pickle  # measures pysyncobj's wire format
 
 from bench import common
-from bench.patches import _authenticator_class
 from proto import hastream_pb2 as pb
 from raftstore import commands
+from raftstore.pysyncobj_patches import AesGcmEncryptor
 from raftstore.state_machine import AppendRecords, GroupStateMachine
 from raftstore.storage.journal import DurableJournal
 from raftstore.tables import TableStore
@@ -196,7 +196,7 @@ def stages(columns: int, batch_rows: int, directory: Path, wire: bool) -> dict[s
     meta = machine.table(table).meta
     store = TableStore(meta, directory / f"table-{columns}-{batch_rows}")
     journal = DurableJournal(directory / f"journal-{columns}-{batch_rows}")
-    authenticator = _authenticator_class()("bench-secret")
+    authenticator = AesGcmEncryptor("bench-secret")
     item = commands.AppendItem(table, b"", 0, payload)
     command = commands.encode(commands.Append(1, (item,)))
     request = pb.PublishRequest(table=table, payload=payload)

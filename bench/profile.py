@@ -231,14 +231,16 @@ def run(args: argparse.Namespace) -> int:
         + (f"-p{args.pipeline}" if args.pipeline else "")
         + ("-wall" if args.idle else "-cpu")
         + ("-native" if args.native else "")
-        + (f"-{args.patches.replace(',', '+').replace('=', '')}" if args.patches else "")
+        + (f"-{args.tuning.replace(',', '+').replace('=', '')}" if args.tuning else "")
     )
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     schema = common.schema_for(args.columns)
     pool = common.payloads(schema, args.batch, max(1, min(8, (64 << 20) // (args.batch * 200))))
     with common.bench_cluster(
-        purge_interval_s=args.purge_interval, election_timeout_s=1.5, patches=args.patches
+        purge_interval_s=args.purge_interval,
+        election_timeout_s=1.5,
+        environment=common.tuning_environment(args.tuning),
     ) as cluster:
         leader = cluster.leader(common.HA_GROUP)
         group = common.HA_GROUP if args.mode == "ha" else common.LOCAL_GROUP
@@ -373,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         "--native", action="store_true", help="include C frames (pauses the nodes per sample)"
     )
     parser.add_argument("--purge-interval", type=float, default=60.0)
-    parser.add_argument("--patches", default="", help="bench.patches to apply (A/B only)")
+    parser.add_argument(
+        "--tuning", default="", help="HASTREAM_TUNING knobs for the nodes (A/B only)"
+    )
     parser.add_argument("--name", default="")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR / "profiles")
     return run(parser.parse_args(argv))

@@ -601,9 +601,9 @@ def markdown(
         f"Load average during the run: {meta['load_min']:.1f} to {meta['load_max']:.1f} "
         f"(2 cores; other engineers' tests share the machine)."
         + (
-            f" **What-if run: the nodes ran with bench.patches `{meta['patches']}`** (candidate "
-            "changes, not the product)."
-            if meta.get("patches")
+            f" **What-if run: the nodes ran with HASTREAM_TUNING `{meta['tuning']}`** (knobs "
+            "off the product's defaults)."
+            if meta.get("tuning")
             else ""
         ),
         "",
@@ -913,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--keep", action="store_true", help="keep the cluster's directory")
     parser.add_argument(
-        "--patches", default="", help="what-if: nodes run with these bench.patches (A/B only)"
+        "--tuning", default="", help="what-if: HASTREAM_TUNING knobs for the nodes (A/B only)"
     )
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     parser.add_argument("--name", default="throughput", help="output file stem")
@@ -944,7 +944,7 @@ def main(argv: list[str] | None = None) -> int:
         purge_interval_s=settings.purge_interval_s,
         election_timeout_s=settings.election_timeout_s,
         keep=args.keep,
-        patches=args.patches,
+        environment=common.tuning_environment(args.tuning),
     ) as cluster:
         print(f"cluster in {cluster.root}", flush=True)
         results = run_grid(cluster, settings)
@@ -953,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": time.time() - started,
         "command": "python -m bench.throughput " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine,
-        "patches": args.patches,
+        "tuning": args.tuning,
     }
     code_after = common.code_version()
     if code_after != machine["code"]:

@@ -132,6 +132,9 @@ class LocalCluster:
     # alias -> what its command starts with, e.g. ("ip", "netns", "exec", "NS"); it must
     # exec the node (so the process is the node itself: signals reach it)
     launch_prefix: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # more environment variables for every node process, e.g. raftstore.tuning's
+    # HASTREAM_TUNING for an A/B run (bench.experiment)
+    environment: dict[str, str] = field(default_factory=dict)
     nodes: dict[str, NodeProcess] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # enable_metrics()
     # enable_tls(): what the harness's own channels (stub) connect with
@@ -240,7 +243,7 @@ class LocalCluster:
         under that limit of open files, soft and hard (`prlimit`)."""
         node = self.nodes[alias]
         node.log_offset = node.log_path.stat().st_size if node.log_path.exists() else 0
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env = dict(os.environ, PYTHONPATH=str(REPO), **self.environment)
         command = [sys.executable, "-m", "raftstore", "--config", str(self.config_path)]
         command += ["--node", alias]
         if nofile is not None:

@@ -8,7 +8,7 @@ import os
 import sys
 
 from hastream.errors import ConfigError
-from raftstore import config
+from raftstore import config, tuning
 from raftstore.identity import StartRefused
 from raftstore.node import DirectoryLocked, Node
 
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = config.load(args.config)
         cluster.node(args.node)
+        knobs = tuning.from_environment(os.environ, args.node)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--rejoin {args.rejoin!r}: {error}", file=sys.stderr)
         return 2
     try:
-        Node(cluster, args.node, rejoin=rejoin).run()
+        Node(cluster, args.node, rejoin=rejoin, tuning=knobs).run()
     except ConfigError as error:  # e.g. a TLS file that cannot be read
         print(f"config error: {error}", file=sys.stderr)
         return 2

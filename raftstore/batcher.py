@@ -30,7 +30,18 @@ class Batcher:
     """Runs one thread, started through `spawn` (the node's threads.Threads). `submit` may
     be called from any thread."""
 
-    def __init__(self, group_id: int, propose: Propose, *, spawn: Spawn) -> None:
+    def __init__(
+        self,
+        group_id: int,
+        propose: Propose,
+        *,
+        spawn: Spawn,
+        in_flight_max: int = limits.PROPOSALS_IN_FLIGHT_MAX,
+    ) -> None:
+        # Never above the limit: the Raft send buffer cap (limits.py) is sized by it.
+        if not 1 <= in_flight_max <= limits.PROPOSALS_IN_FLIGHT_MAX:
+            raise ValueError(f"in_flight_max must be 1..{limits.PROPOSALS_IN_FLIGHT_MAX}")
+        self._in_flight_max = in_flight_max
         self._group_id = group_id
         self._propose = propose
         self._queue: collections.deque[
@@ -116,7 +127,7 @@ class Batcher:
             if deadline < now:
                 log.warning("proposal expired without a callback group=%d", self._group_id)
                 del self._in_flight[number]
-        return len(self._in_flight) < limits.PROPOSALS_IN_FLIGHT_MAX
+        return len(self._in_flight) < self._in_flight_max
 
     def _release(self, number: int) -> None:
         with self._condition:

@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2
 
 from hastream.errors import RaftStoreError, UnknownGroup
 from hastream.model import LOCAL_GROUP, NodeAddress
-from raftstore import identity, limits, node_tls, passwords
+from raftstore import identity, limits, node_tls, passwords, trace
 from raftstore.apply import REPAIR_DIR, Applier, ApplierSettings
 from raftstore.auth import Authenticator, Tokens, bootstrap_password, token_key
 from raftstore.batcher import Batcher
@@ -57,6 +57,8 @@ from raftstore.stats import subscriber_lag
 from raftstore.status_http import StatusServer
 from raftstore.storage.files import REAL_FILES, ensure_dir, raise_fd_soft_limit
 from raftstore.threads import Threads
+from raftstore.tuning import DEFAULT as DEFAULT_TUNING
+from raftstore.tuning import Tuning
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +83,17 @@ HEALTH_SERVICES = ("", "hastream.v1.StreamTable")
 
 class Node:
     def __init__(
-        self, cluster: ClusterConfig, alias: str, *, rejoin: frozenset[int] = frozenset()
+        self,
+        cluster: ClusterConfig,
+        alias: str,
+        *,
+        rejoin: frozenset[int] = frozenset(),
+        tuning: Tuning = DEFAULT_TUNING,
     ) -> None:
         """`rejoin`: groups whose lost or damaged Raft state the operator lets this node
-        rebuild from its peers (identity.py)."""
+        rebuild from its peers (identity.py). `tuning`: measurement knobs (tuning.py)."""
         self._rejoin = rejoin
+        self._tuning = tuning
         self.cluster = cluster
         self.config = cluster.node(alias)
         self.alias = alias
@@ -160,6 +168,7 @@ class Node:
     def start(self) -> None:
         """Raises StartRefused when the node's directories do not match its identity."""
         raise_fd_soft_limit()
+        self._apply_tuning()
         for directory in (self.config.persistence_dir, self.config.ha_dir):
             self._lock_directory(directory)
         identity.check_and_record(
@@ -225,7 +234,12 @@ class Node:
             self.cluster.purge_interval_s,
             spawn=self._threads.start,
         )
-        batcher = Batcher(LOCAL_GROUP, replica.propose, spawn=self._threads.start)
+        batcher = Batcher(
+            LOCAL_GROUP,
+            replica.propose,
+            spawn=self._threads.start,
+            in_flight_max=self._tuning.proposals_in_flight,
+        )
         self._groups[LOCAL_GROUP] = Group(settings, applier, replica, role, batcher)
 
     def _start_raft_group(self, group_id: int) -> None:
@@ -252,7 +266,12 @@ class Node:
         role = RoleSignal()
         applier = self._build_applier(group_id, settings.data_dir, peers)
         replica = RaftReplica(raft, applier, role)
-        batcher = Batcher(group_id, replica.propose, spawn=self._threads.start)
+        batcher = Batcher(
+            group_id,
+            replica.propose,
+            spawn=self._threads.start,
+            in_flight_max=self._tuning.proposals_in_flight,
+        )
         self._groups[group_id] = Group(settings, applier, replica, role, batcher)
 
     def _build_catalog(self) -> Catalog:
@@ -403,6 +422,16 @@ class Node:
             credentials=credentials,
         )
 
+    def _apply_tuning(self) -> None:
+        """The process-wide knobs (tuning.py), before any thread of the write path runs."""
+        if self._tuning == DEFAULT_TUNING:
+            return
+        log.warning("measurement knobs on (HASTREAM_TUNING) tuning=%s", self._tuning)
+        if self._tuning.switch_interval_ms is not None:
+            sys.setswitchinterval(self._tuning.switch_interval_ms / 1000)
+        if self._tuning.trace_file is not None:
+            trace.install(trace.RecordingTrace(self._tuning.trace_file))
+
     def run(self) -> None:
         """Start, announce readiness, and block until SIGTERM/SIGINT (main thread)."""
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -445,4 +474,6 @@ class Node:
         # Everything has been told to stop (_stopping, each close): this only waits.
         self._threads.join(_THREADS_JOIN_S)
         self._peers.close()
+        if self._tuning.trace_file is not None:
+            trace.current().close()  # writes the stage summary bench.experiment reads
         log.info("node stopped alias=%s", self.alias)

@@ -70,7 +70,7 @@ from hastream.errors import (
     Overloaded,
     RaftStoreError,
 )
-from raftstore import limits, pysyncobj_patches
+from raftstore import limits, pysyncobj_patches, trace
 from raftstore.identity import REJOIN_MARKER
 from raftstore.replica import STALLED, ApplyHooks, ProposalCallback, RoleSignal, Snapshot
 from raftstore.stats import (
@@ -293,13 +293,25 @@ def _on_message_received(self: _SyncObj, node: Any, message: Any) -> Any:
     # again (59% of entries under load). A success never moves nextIndex backwards here; a
     # follower that really lacks entries answers success=False/reset=True, which still does.
     if kind == "next_node_idx" and message.get("success") and not message.get("reset"):
+        tracer = trace.current()
+        if tracer.on:
+            tracer.follower_acked(int(message["next_node_idx"]) - 1, trace.clock())
         next_index = self._SyncObj__raftNextIndex
         before = next_index.get(node)
         result = _original_on_message_received(self, node, message)
         if before is not None and next_index.get(node, 0) < before:
             next_index[node] = before
         return result
-    return _original_on_message_received(self, node, message)
+    tracer = trace.current()
+    entries = message.get("entries") if kind == "append_entries" and tracer.on else None
+    if not entries:
+        return _original_on_message_received(self, node, message)
+    started = trace.clock()
+    held = self._journal[-1][1] if len(self._journal) else 0
+    result = _original_on_message_received(self, node, message)
+    again = max(0, held - int(message.get("prevLogIdx", held)))
+    tracer.follower_handled(len(entries), again, started, trace.clock())
+    return result
 
 
 def _snapshot_message_without_commit(self: _SyncObj, message: dict[str, Any]) -> dict[str, Any]:
@@ -324,8 +336,13 @@ def _do_apply_command(self: _SyncObj, command: bytes) -> Any:
     if command[:1] != _TAG_REGULAR:
         return _original_do_apply_command(self, command)
     lsn = self.raftLastApplied + 1  # entries are applied in order, one at a time
+    tracer = trace.current()
+    started = trace.clock()
     try:
-        return self._replica.apply(lsn, memoryview(command)[1:])
+        result = self._replica.apply(lsn, memoryview(command)[1:])
+        if tracer.on:
+            tracer.applied(lsn, started, trace.clock(), leader=bool(self._isLeader()))
+        return result
     except BaseException:
         # The applier never raises for anything an entry holds or the disk does (it records
         # a no-op, or stalls); an exception here is a bug. Stop rather than diverge.
@@ -544,9 +561,11 @@ class RaftReplica:
             else:
                 callback(None, _failure(reason))
 
-        if not self._transfer.admit(
-            lambda: self._sync_obj._applyCommand(_TAG_REGULAR + command, done)
-        ):
+        tagged = _TAG_REGULAR + command
+        tracer = trace.current()
+        if tracer.on:
+            tracer.proposed(tagged)
+        if not self._transfer.admit(lambda: self._sync_obj._applyCommand(tagged, done)):
             callback(None, LeadershipLost("leadership is being transferred"))
 
     def is_leader(self) -> bool:

@@ -36,7 +36,7 @@ from hastream.errors import (
 from hastream.model import LOCAL_GROUP, topic_name
 from proto import hastream_pb2 as pb
 from proto import hastream_pb2_grpc
-from raftstore import access, commands, limits, passwords, routing
+from raftstore import access, commands, limits, passwords, routing, trace
 from raftstore.admission import StreamSlots
 from raftstore.auth import Authenticator, Principal
 from raftstore.catalog import Catalog
@@ -358,7 +358,11 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             sequence=request.sequence,
             payload=request.payload,
         )
+        started = trace.clock()
         lsn, result = self._group_of(request.table, leader_only=True).publish(item)
+        tracer = trace.current()
+        if tracer.on:
+            tracer.answered(lsn, started, trace.clock())
         return publish_response(lsn, result)
 
     @streaming

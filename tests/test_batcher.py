@@ -43,12 +43,9 @@ def _item(sequence: int) -> commands.AppendItem:
     )
 
 
-def test_step_down_fails_in_flight_and_queued_publishes_and_proposes_none_later(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(limits, "PROPOSALS_IN_FLIGHT_MAX", 1)
+def test_step_down_fails_in_flight_and_queued_publishes_and_proposes_none_later() -> None:
     proposals = HeldProposals()
-    batcher = Batcher(2, proposals, spawn=Threads().start)
+    batcher = Batcher(2, proposals, spawn=Threads().start, in_flight_max=1)
     try:
         first = batcher.submit(_item(1))
         wait_until(lambda: proposals.count() == 1, timeout_s=5)
@@ -96,3 +93,11 @@ def test_the_queue_refuses_payload_bytes_past_its_bound() -> None:
         assert accepted >= fill
     finally:
         batcher.close()
+
+
+def test_in_flight_max_never_exceeds_the_limit_buffers_were_sized_by() -> None:
+    # raftstore/tuning.py may lower it for an A/B run; limits.py sized the Raft send buffer
+    # cap by PROPOSALS_IN_FLIGHT_MAX, so nothing may raise it.
+    for bad in (0, limits.PROPOSALS_IN_FLIGHT_MAX + 1):
+        with pytest.raises(ValueError, match="in_flight_max"):
+            Batcher(2, HeldProposals(), spawn=Threads().start, in_flight_max=bad)

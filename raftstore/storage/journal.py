@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from hastream.errors import CorruptionError
+from raftstore import trace
 from raftstore.storage import checkpoint
 from raftstore.storage.files import FILE_MODE, REAL_FILES, Files, ensure_dir, read_all, write_all
 
@@ -243,6 +244,7 @@ class DurableJournal:
                 f"journal gap: {idx} after {self._entries[-1][1]}"
             )
         position = self._end
+        started = trace.clock()
         header, body = _encode_record(command, idx, term)
         try:
             write_all(self._files, self._fd, [header, body])
@@ -252,6 +254,9 @@ class DurableJournal:
         self._end = position + len(header) + len(body)
         self._append_entry(command, idx, term, position)
         self._dirty = True
+        tracer = trace.current()
+        if tracer.on:
+            tracer.journal_added(command, idx, started, trace.clock())
 
     def truncate_from(self, count: int) -> None:
         """Keep only the first `count` entries (a leader overwrote the rest)."""
@@ -364,6 +369,7 @@ class DurableJournal:
         time fdatasync fails, CorruptionError from then on (see the class docstring)."""
         self._check_writable()
         if self._dirty:
+            started = trace.clock()
             try:
                 self._files.fdatasync(self._fd)
             except OSError as error:
@@ -375,6 +381,9 @@ class DurableJournal:
                 raise
             self._dirty = False
             self.syncs += 1
+            tracer = trace.current()
+            if tracer.on and self._entries:
+                tracer.journal_synced(self._entries[-1][1], started, trace.clock())
             if self._entries and self._meta.get("synced_last_index") != self._entries[-1][1]:
                 self._meta["synced_last_index"] = self._entries[-1][1]
                 self._meta_dirty = True  # stored with the commit index (onOneSecondTimer)

@@ -1,0 +1,104 @@
+"""Measurement knobs of one node process, for A/B runs (bench.experiment); off by default.
+
+A benchmark tries a candidate change on an unmodified node by setting the environment
+variable HASTREAM_TUNING before the node starts, e.g.
+
+    HASTREAM_TUNING=proposals_in_flight=1,switch_interval_ms=0.5,trace_file=/tmp/<ALIAS>.json
+
+Operators have no reason to set it: every default is the product's choice. A knob may only
+lower a bound the node was sized for (fewer entries in flight, never more), so no setting
+here can take memory or queues past limits.py. Parsed once, at start, by `python -m
+raftstore`; a bad value refuses the start with a ConfigError naming the variable and key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, NoReturn, TypeVar
+
+from hastream.errors import ConfigError
+from raftstore import limits
+
+ENVIRONMENT_VARIABLE: Final = "HASTREAM_TUNING"
+_SWITCH_INTERVAL_MS_RANGE: Final = (0.05, 100.0)
+_Number = TypeVar("_Number", int, float)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tuning:
+    # Raft entries proposed and not yet applied, per group (batcher.py). Fewer make
+    # concurrent publishes share an entry (group commit) instead of each taking one.
+    proposals_in_flight: int = limits.PROPOSALS_IN_FLIGHT_MAX
+    # sys.setswitchinterval in ms; None keeps Python's 5 ms. Shorter hands the GIL sooner
+    # from the tick thread to a thread woken by a commit.
+    switch_interval_ms: float | None = None
+    # Where the write path's per-stage timings (trace.py) are written at exit; None records
+    # nothing. `<ALIAS>` is replaced by the node's alias.
+    trace_file: Path | None = None
+
+
+DEFAULT: Final = Tuning()
+
+
+def from_environment(environ: Mapping[str, str], alias: str) -> Tuning:
+    """The Tuning HASTREAM_TUNING asks for (DEFAULT when unset). Raises ConfigError."""
+    return parse(environ.get(ENVIRONMENT_VARIABLE, ""), alias)
+
+
+def parse(text: str, alias: str) -> Tuning:
+    values: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, separator, value = item.partition("=")
+        key = key.strip()
+        if not separator:
+            _refuse(key, "", "expected key=value")
+        if key in values:
+            _refuse(key, value, "given twice")
+        values[key] = value.strip()
+    unknown = sorted(set(values) - set(Tuning.__dataclass_fields__))
+    if unknown:
+        known = ", ".join(Tuning.__dataclass_fields__)
+        _refuse(unknown[0], values[unknown[0]], f"unknown knob (known: {known})")
+    in_flight = DEFAULT.proposals_in_flight
+    if "proposals_in_flight" in values:
+        in_flight = _number("proposals_in_flight", values["proposals_in_flight"], int)
+        if not 1 <= in_flight <= limits.PROPOSALS_IN_FLIGHT_MAX:
+            reason = f"must be 1..{limits.PROPOSALS_IN_FLIGHT_MAX} (limits.py sizes buffers by it)"
+            _refuse("proposals_in_flight", values["proposals_in_flight"], reason)
+    switch_ms = None
+    if "switch_interval_ms" in values:
+        switch_ms = _number("switch_interval_ms", values["switch_interval_ms"], float)
+        low, high = _SWITCH_INTERVAL_MS_RANGE
+        if not low <= switch_ms <= high:
+            _refuse("switch_interval_ms", values["switch_interval_ms"], f"must be {low}..{high}")
+    trace_file = None
+    if values.get("trace_file"):
+        trace_file = Path(values["trace_file"].replace("<ALIAS>", alias))
+    return Tuning(
+        proposals_in_flight=in_flight, switch_interval_ms=switch_ms, trace_file=trace_file
+    )
+
+
+def render(tuning: Tuning) -> str:
+    """The HASTREAM_TUNING value that parses back to `tuning` (for launchers)."""
+    parts = []
+    if tuning.proposals_in_flight != DEFAULT.proposals_in_flight:
+        parts.append(f"proposals_in_flight={tuning.proposals_in_flight}")
+    if tuning.switch_interval_ms is not None:
+        parts.append(f"switch_interval_ms={tuning.switch_interval_ms:g}")
+    if tuning.trace_file is not None:
+        parts.append(f"trace_file={tuning.trace_file}")
+    return ",".join(parts)
+
+
+def _number(key: str, value: str, kind: type[_Number]) -> _Number:
+    try:
+        return kind(value)
+    except ValueError:
+        _refuse(key, value, f"not {'an integer' if kind is int else 'a number'}")
+
+
+def _refuse(key: str, value: str, reason: str) -> NoReturn:
+    raise ConfigError(f"environment {ENVIRONMENT_VARIABLE}", key, value, reason)

@@ -1,0 +1,68 @@
+"""raftstore/tuning.py: the measurement knobs a node reads from HASTREAM_TUNING at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hastream.errors import ConfigError
+from raftstore import limits, tuning
+
+
+def test_unset_is_the_products_defaults() -> None:
+    assert tuning.from_environment({}, "node1") == tuning.DEFAULT
+    assert tuning.DEFAULT.proposals_in_flight == limits.PROPOSALS_IN_FLIGHT_MAX
+    assert tuning.DEFAULT.switch_interval_ms is None
+    assert tuning.DEFAULT.trace_file is None
+
+
+def test_every_knob_is_read_and_the_alias_substituted() -> None:
+    text = " proposals_in_flight=2, switch_interval_ms=0.5 ,trace_file=/tmp/<ALIAS>-trace.json"
+    assert tuning.from_environment({"HASTREAM_TUNING": text}, "node7") == tuning.Tuning(
+        proposals_in_flight=2, switch_interval_ms=0.5, trace_file=Path("/tmp/node7-trace.json")
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "reason"),
+    [
+        ("proposals_in_flight=0", "proposals_in_flight", "must be 1..8"),
+        ("proposals_in_flight=9", "proposals_in_flight", "must be 1..8"),
+        ("proposals_in_flight=two", "proposals_in_flight", "not an integer"),
+        ("switch_interval_ms=0", "switch_interval_ms", "must be 0.05..100.0"),
+        ("switch_interval_ms=fast", "switch_interval_ms", "not a number"),
+        ("peer_auth=off", "peer_auth", "unknown knob"),
+        ("proposals_in_flight", "proposals_in_flight", "expected key=value"),
+        ("proposals_in_flight=1,proposals_in_flight=2", "proposals_in_flight", "given twice"),
+    ],
+)
+def test_a_bad_knob_is_refused_by_name(text: str, key: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        tuning.parse(text, "node1")
+    assert raised.value.path == "environment HASTREAM_TUNING"
+    assert raised.value.key == key
+    assert reason in raised.value.reason
+
+
+def test_no_knob_raises_a_bound_limits_py_sized_memory_by() -> None:
+    # The Raft send buffer cap is computed from PROPOSALS_IN_FLIGHT_MAX: more in flight
+    # than that would let a slow follower's queue grow past it.
+    with pytest.raises(ConfigError):
+        tuning.parse(f"proposals_in_flight={limits.PROPOSALS_IN_FLIGHT_MAX + 1}", "n")
+
+
+@given(
+    in_flight=st.integers(1, limits.PROPOSALS_IN_FLIGHT_MAX),
+    switch=st.none() | st.sampled_from([0.05, 0.5, 1.0, 2.5, 100.0]),
+    trace=st.none() | st.sampled_from(["/tmp/a.json", "/var/tmp/x/trace.json"]),
+)
+def test_render_reads_back(in_flight: int, switch: float | None, trace: str | None) -> None:
+    knobs = tuning.Tuning(
+        proposals_in_flight=in_flight,
+        switch_interval_ms=switch,
+        trace_file=None if trace is None else Path(trace),
+    )
+    assert tuning.parse(tuning.render(knobs), "n") == knobs
