@@ -26,7 +26,10 @@ Session's deadline (counted from the last progress), that request's future raise
 and every later unacknowledged request's future raises `PublishAborted` (none of them was
 applied after a non-retryable error; after a deadline their outcome is unknown). The
 pipeline then goes on under a fresh random producer id (its sequences restart at 1), so
-nothing sent later can be mistaken for, or blocked by, the failed requests.
+nothing sent later can be mistaken for, or blocked by, the failed requests. A pipeline
+started with `renew=False` (the caller's own producer id, which promises that a re-run
+maps the same rows to the same sequences) does not go on: every later `submit` raises
+PublishAborted, so no row can be committed under an id a re-run would not repeat.
 
 Threads: `submit`, `flush`, `close` from any thread (one lock). A driver thread owns the
 stream (opens it, reads the answers, settles the futures, reconnects); gRPC's own thread
@@ -141,6 +144,7 @@ class PublishPipeline:
         first_sequence: int = 1,
         max_in_flight: int = MAX_IN_FLIGHT_DEFAULT,
         deadline_s: float | None = None,
+        renew: bool = True,
     ) -> None:
         if not 1 <= max_in_flight <= wire.PIPELINE_IN_FLIGHT_MAX:
             raise InvalidArgument("max_in_flight", f"must be in [1, {wire.PIPELINE_IN_FLIGHT_MAX}]")
@@ -158,6 +162,8 @@ class PublishPipeline:
         self._producer_id = producer_id or secrets.token_bytes(wire.PRODUCER_ID_BYTES)
         self._next_sequence = first_sequence
         self._producer_known = False  # the group acknowledged a request of this producer
+        self._renew = renew  # go on under a fresh producer after a failure (module docstring)
+        self._failure: PublishAborted | None = None  # set when a failure ends the pipeline
         self._unacked: collections.deque[_Request] = collections.deque()
         self._unacked_bytes = 0  # payload bytes of `_unacked`
         self._acked = 0  # requests acknowledged so far (progress, for the retry budget)
@@ -218,10 +224,14 @@ class PublishPipeline:
         with self._condition:
             if self._closing:
                 raise InvalidArgument("publisher", "the pipeline is closed")
+            if self._failure is not None:
+                raise self._failure
             while self._window_full(len(payload)):  # bounded: acks or failure
                 self._condition.wait(timeout=_POLL_S)
                 if self._closing:
                     raise InvalidArgument("publisher", "the pipeline is closed")
+                if self._failure is not None:
+                    raise self._failure
             sequence = self._next_sequence
             self._next_sequence += 1
             self._unacked.append(_Request(sequence, payload, row_count, future))
@@ -498,7 +508,9 @@ class PublishPipeline:
             failed = list(self._unacked)
             self._unacked.clear()
             self._unacked_bytes = 0
-            if renew:
+            if renew and not self._renew:
+                self._failure = PublishAborted(failed[0].sequence, str(error))
+            elif renew:
                 self._producer_id = secrets.token_bytes(wire.PRODUCER_ID_BYTES)
                 self._next_sequence = 1
                 self._producer_known = False

@@ -72,7 +72,10 @@ class Publisher:
     to `max_in_flight` (default 64) requests in flight on one stream; `flush()` waits for
     them. Once `append_async` was called, `append` goes through the pipeline too (ordered
     after the pending requests). A Publisher that made unary appends before its first
-    `append_async` pipelines under a fresh random producer id. See docs/client.md.
+    `append_async` pipelines under a fresh random producer id. After a failed pipelined
+    request, a random producer goes on under a new id; a caller-given `producer_id` does
+    not: later appends raise PublishAborted (use a new Publisher, or re-run the job under
+    the same id to have the cluster drop what it already holds). See docs/client.md.
 
     Threads: appends through one Publisher are serialized (sequences must reach the leader
     in order); use one Publisher per thread for parallel publishing.
@@ -268,6 +271,9 @@ class Publisher:
                 first_sequence=1 if fresh else self._next_sequence,
                 max_in_flight=self._max_in_flight,
                 deadline_s=self._deadline_s,
+                # The caller's id promises re-runs the same sequences: after a failure, stop
+                # rather than commit later appends under an id a re-run would not repeat.
+                renew=fresh or not self._stable_producer,
             )
             self._coalescer = Coalescer(
                 self._pipeline,

@@ -15,14 +15,24 @@ Spark sink). The window holds the newest `PRODUCERS_MAX` producers per Raft grou
 Rows are cut into requests of exactly `batchRows` rows (and the client further splits a
 request over the byte limit), so a retry numbers the same rows with the same sequences
 whatever RecordBatch sizes Spark hands over.
+
+Requests are pipelined (`Publisher.append_async`): while the cluster replicates one
+request, the task converts the next rows Spark hands over, instead of waiting for each
+acknowledgement in turn. The first request is waited for, so a node that has not applied
+the table's creation yet can be retried under the same sequences; after that, a failure
+fails the task (Spark retries it under the same producer id, and the cluster drops what it
+already holds), and the pipeline takes no request after it (a caller-given producer id).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Final
 
 import pyarrow as pa
 from pyspark import TaskContext
@@ -39,6 +49,10 @@ from spark_publisher.cluster import TABLE_NOT_FOUND_RETRY_S, table_info
 from spark_publisher.options import HAStreamOptions, OptionError
 
 log = logging.getLogger(__name__)
+
+# Results a task keeps before it waits for the oldest: the pipeline's own window bounds the
+# requests in flight; this bounds the futures held beside it.
+_RESULTS_PENDING_MAX: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,24 +95,27 @@ def publish_partition(
 ) -> PublishReport:
     """Publishes a task's RecordBatches in requests of `batch_rows` rows, sequences 1..n."""
     task = _TaskPublisher(options, producer_id, partition)
-    pending: list[pa.RecordBatch] = []
-    pending_rows = 0
-    for batch in batches:
-        if batch.num_rows == 0:
-            continue
-        pending.append(batch)
-        pending_rows += batch.num_rows
-        if pending_rows < options.batch_rows:
-            continue
-        rows = pa.Table.from_batches(pending)
-        whole = pending_rows - pending_rows % options.batch_rows
-        for start in range(0, whole, options.batch_rows):
-            task.send(rows.slice(start, options.batch_rows))
-        pending = rows.slice(whole).to_batches()
-        pending_rows -= whole
-    if pending_rows:
-        task.send(pa.Table.from_batches(pending))
-    return task.report()
+    try:
+        pending: list[pa.RecordBatch] = []
+        pending_rows = 0
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            pending.append(batch)
+            pending_rows += batch.num_rows
+            if pending_rows < options.batch_rows:
+                continue
+            rows = pa.Table.from_batches(pending)
+            whole = pending_rows - pending_rows % options.batch_rows
+            for start in range(0, whole, options.batch_rows):
+                task.send(rows.slice(start, options.batch_rows))
+            pending = rows.slice(whole).to_batches()
+            pending_rows -= whole
+        if pending_rows:
+            task.send(pa.Table.from_batches(pending))
+        return task.report()
+    finally:
+        task.close()  # Python workers are reused: no pipeline thread may outlive the task
 
 
 class _TaskPublisher:
@@ -112,6 +129,8 @@ class _TaskPublisher:
         self._table_schema = table_info(options, fresh=True).schema
         self._client = clients.session(options.sites, options.timeout_s, options.tls, options.login)
         self._publisher = self._new_publisher(first_sequence=1)
+        self._pending: collections.deque[Future[AppendResult]] = collections.deque()
+        self._acknowledged_once = False
         self.rows = self.appended = self.duplicates = self.replayed = 0
         self.first_offset = self.last_offset = -1
 
@@ -126,8 +145,19 @@ class _TaskPublisher:
 
     def send(self, rows: pa.Table) -> None:
         conformed = schema.to_table_rows(self._options.table, self._table_schema, rows.to_batches())
-        result = self._append(conformed)
         self.rows += rows.num_rows
+        if not self._acknowledged_once:
+            self._count(self._append(conformed))
+            self._acknowledged_once = True
+            return
+        self._pending.append(self._publisher.append_async(conformed))
+        while len(self._pending) > _RESULTS_PENDING_MAX or (
+            self._pending and self._pending[0].done()
+        ):
+            self._count(self._pending.popleft().result())
+
+    def _count(self, result: AppendResult) -> None:
+        """Adds one acknowledged request to the totals (called in request order)."""
         for part in result.parts or (result,):
             if part.duplicate_batch:
                 self.replayed += part.row_count + part.duplicates
@@ -148,15 +178,23 @@ class _TaskPublisher:
         while True:  # Bounded by `backoff`.
             first_sequence = self._publisher.next_sequence
             try:
-                return self._publisher.append(rows)
+                return self._publisher.append_async(rows).result()
             except TableNotFound:
                 if not backoff.wait():
                     raise
                 log.info("table %s not found at the node asked: retrying", self._options.table)
                 table_info(self._options, fresh=True)
+                self._publisher.close()
                 self._publisher = self._new_publisher(first_sequence=first_sequence)
 
+    def close(self) -> None:
+        """Ends the pipeline (waits for requests still in flight, up to the deadline)."""
+        self._publisher.close()
+
     def report(self) -> PublishReport:
+        """The task's totals, once every request is acknowledged (raises the first failure)."""
+        while self._pending:
+            self._count(self._pending.popleft().result())
         return PublishReport(
             partition_id=self._partition,
             rows=self.rows,

@@ -302,6 +302,33 @@ def test_a_failed_request_aborts_the_later_ones_and_the_publisher_goes_on(
         assert ids_on(cluster, alias, "abort") == [7], alias
 
 
+def test_a_caller_given_producer_stops_after_a_failure_instead_of_renewing(
+    cluster: LocalCluster,
+) -> None:
+    # A re-run under the same producer id must map the same rows to the same sequences: a
+    # row committed after the failure under a fresh id would be appended again by it.
+    cluster.create_table("abort_stable", SCHEMA)
+    producer = bytes(range(16))
+    with session_for(cluster) as session:
+        publisher = Publisher(session, "abort_stable", producer_id=producer, deadline_s=DEADLINE_S)
+        assert publisher.append_async(rows(0, 1)).result(timeout=DEADLINE_S).first_offset == 0
+        leader = cluster.stub(cluster.leader())
+        leader.DropStreamTable(pb.DropTableRequest(table="abort_stable"), timeout=15)
+        other = pa.schema([("id", pa.int64()), ("sym", pa.string()), ("price", pa.int32())])
+        cluster.create_table("abort_stable", other)
+        failed = publisher.append_async(rows(1, 1)).exception(timeout=DEADLINE_S)
+        assert isinstance(failed, SchemaMismatch), failed
+        again = pa.table({"id": [7], "sym": ["x"], "price": pa.array([1], pa.int32())}, other)
+        try:  # refused by the pipeline: on this thread or through the coalescer's future
+            later = publisher.append_async(again).exception(timeout=DEADLINE_S)
+        except PublishAborted as refused:
+            later = refused
+        assert isinstance(later, PublishAborted), later
+        assert publisher.producer_id == producer
+        publisher.close()
+    assert all(ids_on(cluster, alias, "abort_stable") == [] for alias in cluster.alive())
+
+
 # --- kill -9 of the leader --------------------------------------------------------------
 
 
