@@ -54,6 +54,8 @@ ACTION: Final = "deviceAgg"
 DEVICES: Final = 1000
 PROGRESS_INTERVAL_S: Final = 2.0
 POLL_INTERVAL_S: Final = 0.5
+# The writer keeps up when its median interval rate reaches this share of the offered rate.
+KEPT_UP_SHARE: Final = 0.95
 CATCH_UP_TIMEOUT_S: Final = 180.0
 OFFSET_TIMEOUT_S: Final = 60.0
 SCHEMA: Final = pa.schema(
@@ -266,7 +268,7 @@ def run(spark: Any, cluster: LocalCluster, run_dir: Path, args: argparse.Namespa
     return report(
         spark, client, delivered, watch, listener, run_dir,
         killed=killed, publish_s=publish_s, receive_s=receive_s,
-        offered_per_s=args.rows_per_batch * 1000 / args.trigger_ms,
+        offered_per_s=args.rows_per_batch * 1000 / args.trigger_ms, rates=monitor.rates,
         subscriber_error=query_failure(subscriber),
     )  # fmt: skip
 
@@ -441,6 +443,7 @@ class Monitor(threading.Thread):
         self._watch = watch
         self._start_time = started
         self._stopping = threading.Event()
+        self.rates: list[float] = []  # rows/s of each progress interval once rows flow
 
     def stop(self) -> None:
         self._stopping.set()
@@ -456,6 +459,8 @@ class Monitor(threading.Thread):
                 continue
             rows = self._rows()
             rate = (rows - last_rows) / max(elapsed - last_print, 1e-9) if rows >= 0 else 0
+            if last_rows > 0 and rows >= 0:  # the first interval holds the queries' start
+                self.rates.append(rate)
             received = self._delivered.distinct()
             # Spark plans and starts both queries before the first micro-batch: say so, rather
             # than print "published 0" lines that look like a stall.
@@ -502,6 +507,7 @@ def report(
     publish_s: float,
     receive_s: float,
     offered_per_s: float,
+    rates: list[float],
     subscriber_error: str | None,
 ) -> int:
     table_ids = client.read(TABLE, 0).column("id").to_numpy()
@@ -536,6 +542,7 @@ def report(
         f"rows published      {published:,} in {publish_s:.1f}s "
         f"({published / publish_s:,.0f} rows/s through df.writeStream; offered "
         f"{offered_per_s:,.0f}/s)",
+        _keeping_up(rates, offered_per_s),
         f"rows received       {received:,} by readStream, caught up at {receive_s:.1f}s "
         f"({received / receive_s:,.0f} rows/s)",
         f"lost                {lost} (unreceived {lost_ids.size}, id gaps {gaps})",
@@ -551,6 +558,20 @@ def report(
         lines.insert(-1, f"subscriber error    {subscriber_error}")
     say("\n".join(lines))
     return 0 if ok else 1
+
+
+def _keeping_up(rates: list[float], offered_per_s: float) -> str:
+    """Whether df.writeStream kept up with its source: the median rate of the progress
+    intervals (robust to the few the leader kill slows) against the offered rate."""
+    if not rates:
+        return "keeping up          unknown (no full progress interval)"
+    steady = sorted(rates)[len(rates) // 2]
+    share = steady / offered_per_s
+    verdict = "yes" if share >= KEPT_UP_SHARE else "NO"
+    return (
+        f"keeping up          {verdict}: median {steady:,.0f} rows/s over {len(rates)} "
+        f"{PROGRESS_INTERVAL_S:g} s intervals = {share:.0%} of the offered {offered_per_s:,.0f}/s"
+    )
 
 
 if __name__ == "__main__":
