@@ -276,14 +276,16 @@ class Repairer:
                     break
                 if retained_from is not None and gap.restartable:
                     # Every peer's retention removed the rows before `retained_from`: no
-                    # node can send them. The (empty) replica continues where data begins.
+                    # node can send them. The (empty) replica continues where data begins,
+                    # or, when the peers (writing on) dropped the whole gap, where the gap
+                    # ends: the entries after it append from there.
                     side.close()
-                    side = _fresh_log(self._files, directory, retained_from)
-                    first_offset = retained_from
+                    first_offset = min(retained_from, gap.offset_to)
+                    side = _fresh_log(self._files, directory, first_offset)
                     log.warning(
                         "repair restarts table=%s at offset=%d (peers' retention)",
                         gap.table,
-                        retained_from,
+                        first_offset,
                     )
                     continue
                 self._note_slow(started)

@@ -346,6 +346,37 @@ def test_peers_that_retained_nothing_before_an_offset_restart_an_empty_table_the
     healthy.stop()
 
 
+def test_peers_whose_retention_passed_the_whole_gap_leave_an_empty_table_at_its_end(
+    tmp_path: Path,
+) -> None:
+    # Seen in a full-suite run: the replica's checkpoint said the table ends at 100 while
+    # the peers, writing on, had already dropped everything before 240. No row of the gap
+    # exists anywhere: the table starts empty where the gap ends (the entries after the
+    # checkpoint append from there), not at 240, which "fetched" rows the log never had.
+    def fetch(
+        peer: NodeAddress,
+        group_id: int,
+        table: str,
+        offset_from: int,
+        offset_to: int,
+        created_lsn: int,
+    ) -> Iterator[DataRecord]:
+        raise OffsetOutOfRange(table, offset_from, 240, 260)
+        yield  # a generator, like the real fetch
+
+    repairer = Repairer(0, tmp_path / "side", fetch, [PEER, OTHER], spawn=Threads().start)
+    repairer.start([_gap("t", 100)])
+    outcome = wait_until(
+        lambda: repairer.take_outcome() or repairer.failed_reason(),
+        timeout_s=10,
+        message="repaired",
+    )
+    assert repairer.failed_reason() is None, repairer.failed_reason()
+    (fetched,) = outcome.tables
+    assert fetched.first_offset == 100
+    repairer.close()
+
+
 def test_a_record_past_the_gap_is_a_protocol_error(tmp_path: Path) -> None:
     healthy = Shell(tmp_path / "healthy").start()
     healthy.create("t", SCHEMA)
