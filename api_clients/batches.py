@@ -35,6 +35,7 @@ _CONVERSION_ERRORS = (
 # Aim below the byte limit when cutting a large table, so most chunks encode small enough
 # at the first try (IPC framing and padding add a little to `Table.nbytes`).
 _CHUNK_TARGET_FRACTION = 0.8
+_TRUST_BUFFERS_BYTES = 64 * 1024  # see nbytes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +184,15 @@ def encode(table: pa.Table) -> bytes:
     return bytes(sink.getvalue().to_pybytes())
 
 
+def nbytes(table: pa.Table) -> int:
+    """`table.nbytes`, cheaply for small tables. The sum of its buffers is a sub-microsecond
+    upper bound but counts whole buffers a slice only points into; Table.nbytes is exact and
+    costs ~20 us, a quarter of a 100-row append's client CPU. Trusting the sum up to
+    _TRUST_BUFFERS_BYTES over-counts by at most that much: a merged request ends early."""
+    buffers: int = table.get_total_buffer_size()
+    return buffers if buffers <= _TRUST_BUFFERS_BYTES else int(table.nbytes)
+
+
 def encode_chunks(
     table: pa.Table,
     *,
@@ -198,8 +208,9 @@ def encode_chunks(
     if not 0 < rows_max <= wire.BATCH_ROWS_MAX:
         raise InvalidArgument("rows_max", f"must be in (0, {wire.BATCH_ROWS_MAX}]")
     rows_per_chunk = min(rows_max, table.num_rows)
-    if table.nbytes > bytes_max * _CHUNK_TARGET_FRACTION:
-        estimate = int(table.num_rows * bytes_max * _CHUNK_TARGET_FRACTION / table.nbytes)
+    size = nbytes(table)
+    if size > bytes_max * _CHUNK_TARGET_FRACTION:
+        estimate = int(table.num_rows * bytes_max * _CHUNK_TARGET_FRACTION / size)
         rows_per_chunk = max(1, min(rows_per_chunk, estimate))
     # A stack of row ranges still to encode, next one on top. A range that encodes too
     # large is split in half, so the work is bounded by about 2 * num_rows encodings.

@@ -71,7 +71,7 @@ class _Append:
 
     def __post_init__(self) -> None:
         if self.table is not None:
-            self.num_rows, self.nbytes = self.table.num_rows, self.table.nbytes
+            self.num_rows, self.nbytes = self.table.num_rows, batches.nbytes(self.table)
         else:
             assert self.rows, "an append holds rows"
             self.num_rows, self.nbytes = len(self.rows), row_path.size_estimate(self.rows)

@@ -1366,3 +1366,13 @@ def test_a_table_or_dataframe_serves_as_the_schema_template() -> None:
     assert schema_of(frame).field("id").type == pa.int64()
     with pytest.raises(errors.InvalidArgument, match="got dict"):
         schema_of({"id": 1})
+
+
+def test_nbytes_is_exact_for_big_tables_and_an_upper_bound_for_small_ones() -> None:
+    # The coalescer's merge budget and the chunking estimate read it for every append.
+    big = pa.table({"v": pa.array(range(100_000), pa.int64())})
+    assert batches.nbytes(big) == big.nbytes
+    small = big.slice(10, 100)  # its buffers are the big table's: fall back to exact
+    assert batches.nbytes(small) == small.nbytes
+    fresh = pa.table({"v": pa.array(range(100), pa.int64()), "s": ["x" * 10] * 100})
+    assert fresh.nbytes <= batches.nbytes(fresh) <= fresh.nbytes + 64 * 1024
