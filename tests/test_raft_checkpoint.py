@@ -4,6 +4,7 @@ journal trim that lets pysyncobj keep the entries after a checkpoint."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,16 @@ ROOT = Path("/sim")
 IMAGE = RaftCheckpoint(
     lsn=12, state=b'{"tables": {}}', last=(b"\x00last", 12, 3), previous=(b"", 11, 3)
 )
+
+
+def test_the_previous_entry_is_stored_without_its_command(tmp_path: Path) -> None:
+    # pysyncobj uses only its index and term; the last entry's command is kept (it is sent to
+    # a follower one entry behind the checkpoint).
+    path = tmp_path / "checkpoint"
+    big = replace(IMAGE, last=(b"L" * 1000, 12, 3), previous=(b"P" * 1000, 11, 3))
+    size = raft_checkpoint.write(path, big)
+    assert size < 1000 + 100 + len(big.state)
+    assert raft_checkpoint.read(path) == replace(big, previous=(b"", 11, 3))
 
 
 def test_write_then_read_round_trips(tmp_path: Path) -> None:
