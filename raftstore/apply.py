@@ -51,6 +51,7 @@ from hastream.errors import (
     TableNotFound,
 )
 from raftstore import commands, limits
+from raftstore.cache_budget import CacheBudget
 from raftstore.catch_up import FetchedTable, Repairer, RepairOutcome, TableGap
 from raftstore.health import HEALTHY, Health, ReplicaState
 from raftstore.replica import STALLED, Snapshot
@@ -130,8 +131,12 @@ class Applier:
         retention: Retention,
         *,
         monotonic: Callable[[], float] = time.monotonic,
+        cache_budget: CacheBudget | None = None,
     ) -> None:
+        """`cache_budget`: the node's one bound on every table's row cache (a private one
+        by default)."""
         self.group_id = settings.group_id
+        self._cache_budget = cache_budget if cache_budget is not None else CacheBudget()
         self._settings = settings
         self._data_dir = settings.data_dir
         self._files = settings.files
@@ -817,7 +822,7 @@ class Applier:
         return table_directory(self._data_dir, meta.table, meta.created_lsn)
 
     def _open(self, meta: TableMeta, directory: Path) -> TableStore:
-        return TableStore(meta, directory, files=self._files)
+        return TableStore(meta, directory, files=self._files, budget=self._cache_budget)
 
     @property
     def machine(self) -> GroupStateMachine:

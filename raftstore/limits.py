@@ -50,6 +50,9 @@ RAFT_SNAPSHOT_CHUNK_BYTES: Final = 1 * MIB
 PUBLISH_QUEUE_MAX: Final = 10_000
 # ... and at most this many payload bytes (a queue of 10,000 16 MiB batches would not fit).
 PUBLISH_QUEUE_BYTES_MAX: Final = 512 * MIB
+# Bytes the row caches of all tables on a node hold together (cache_budget.py): past it the
+# batches cached longest ago are dropped, whatever their table (reads come from the files).
+CACHE_BYTES_MAX: Final = 256 * MIB
 # Raft entries proposed but not yet applied, per group (the proposer waits beyond it).
 PROPOSALS_IN_FLIGHT_MAX: Final = 8
 # Unsent bytes queued for one Raft peer beyond which its link is dropped (and later

@@ -38,6 +38,7 @@ from raftstore import identity, limits, node_tls, passwords, trace
 from raftstore.apply import REPAIR_DIR, Applier, ApplierSettings
 from raftstore.auth import Authenticator, Tokens, bootstrap_password, token_key
 from raftstore.batcher import Batcher
+from raftstore.cache_budget import CacheBudget
 from raftstore.catalog import Catalog
 from raftstore.catch_up import Repairer
 from raftstore.config import ClusterConfig
@@ -109,6 +110,8 @@ class Node:
         )
         # First: every part below that runs a thread is given its `start`.
         self._threads = Threads()
+        # One memory bound for the row caches of every table of every group on this node.
+        self._cache_budget = CacheBudget()
         self.slow_consumers = SlowConsumers(
             cluster.slow_consumer_timeout_s, spawn=self._threads.start
         )
@@ -216,7 +219,7 @@ class Node:
             spawn=self._threads.start,
         )
         settings = ApplierSettings(group_id=group_id, data_dir=data_dir)
-        return Applier(settings, repairer, Retention())
+        return Applier(settings, repairer, Retention(), cache_budget=self._cache_budget)
 
     def _start_local_group(self) -> None:
         settings = GroupSettings(

@@ -1,8 +1,8 @@
 """One table on one node: its data files, its in-memory cache, and wakeups for subscribers.
 
 Written by the applier (the replica's apply thread), read by gRPC threads. The cache holds
-the newest `cacheLimit` rows as Arrow record batches; older rows are read back from the data
-files.
+the newest `cacheLimit` rows as Arrow record batches, within the node's one memory bound for
+every table's cache (cache_budget.py); older rows are read back from the data files.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from raftstore.cache_budget import CacheBudget, CacheEntry
 from raftstore.state_machine import TableMeta
 from raftstore.storage.files import REAL_FILES, Files
 from raftstore.storage.segments import DataRecord, TableLog
@@ -33,11 +34,20 @@ class RowSlice:
 
 
 class TableStore:
-    def __init__(self, meta: TableMeta, directory: Path, *, files: Files = REAL_FILES) -> None:
+    def __init__(
+        self,
+        meta: TableMeta,
+        directory: Path,
+        *,
+        files: Files = REAL_FILES,
+        budget: CacheBudget | None = None,
+    ) -> None:
+        """`budget`: the node's bound on every table's cache (a private one by default)."""
         self.meta = meta
         self.directory = directory
         self.log = TableLog(directory, files=files)
-        self._cache: collections.deque[RowSlice] = collections.deque()
+        self._budget = budget if budget is not None else CacheBudget()
+        self._cache: collections.deque[CacheEntry] = collections.deque()  # rows set
         self._cache_rows = 0
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)
@@ -59,9 +69,18 @@ class TableStore:
                 payload=memoryview(payload),
             )
         )
+        entry = CacheEntry(
+            RowSlice(first_offset, batch, timestamp_ms),
+            # The buffers the batch keeps alive (a cheap, conservative count).
+            batch.get_total_buffer_size(),
+            self._evict,
+        )
         with self._lock:
-            self._cache_add(RowSlice(first_offset, batch, timestamp_ms))
+            released = self._cache_add(entry)
             self.changed.notify_all()
+        for old in released:  # outside the store's lock: the budget may evict from others
+            self._budget.released(old)
+        self._budget.added(entry)
 
     def sync(self) -> None:
         """Make every appended row durable (before a checkpoint lets the Raft log go)."""
@@ -71,15 +90,34 @@ class TableStore:
         """Retention (see TableLog.remove_segments_before)."""
         return self.log.remove_segments_before(timestamp_ms, keep_rows=keep_rows)
 
-    def _cache_add(self, rows: RowSlice) -> None:
-        self._cache.append(rows)
-        self._cache_rows += rows.batch.num_rows
+    def _cache_add(self, entry: CacheEntry) -> list[CacheEntry]:
+        """Cache `entry`, letting go of the oldest beyond cacheLimit (returned; caller holds
+        the lock)."""
+        self._cache.append(entry)
+        self._cache_rows += entry.rows.batch.num_rows
+        released = []
         while (
             self._cache
-            and self._cache_rows - self._cache[0].batch.num_rows >= self.meta.cache_limit
+            and self._cache_rows - self._cache[0].rows.batch.num_rows >= self.meta.cache_limit
         ):
             evicted = self._cache.popleft()
-            self._cache_rows -= evicted.batch.num_rows
+            self._cache_rows -= evicted.rows.batch.num_rows
+            released.append(evicted)
+        return released
+
+    def _evict(self, entry: CacheEntry) -> bool:
+        """The budget drops `entry` (the oldest cached batch on the node); False if this
+        table let it go already."""
+        with self._lock:
+            if self._cache and self._cache[0] is entry:
+                self._cache.popleft()
+            elif entry in self._cache:  # not expected: the budget's order is each table's
+                self._cache.remove(entry)
+            else:
+                return False
+            self._cache_rows -= entry.rows.batch.num_rows
+            entry.rows = None
+            return True
 
     def close(self) -> None:
         """Close the files (no sync: call `sync` first). Subscribers waiting on this table
@@ -87,6 +125,11 @@ class TableStore:
         with self._lock:
             self.closed = True
             self.changed.notify_all()
+            cached = list(self._cache)
+            self._cache.clear()
+            self._cache_rows = 0
+        for entry in cached:  # a dropped or closed table's cache leaves the node's budget
+            self._budget.released(entry)
         self.log.close()
 
     def wake(self) -> None:
@@ -115,7 +158,7 @@ class TableStore:
         if offset_to <= offset_from:
             return []
         with self._lock:
-            cached = list(self._cache)
+            cached = [entry.rows for entry in self._cache]
         if cached and cached[0].first_offset <= offset_from:
             return _slice(cached, offset_from, offset_to)
         return _slice(list(self._read_disk(offset_from, offset_to)), offset_from, offset_to)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from raftstore.cache_budget import CacheBudget
 from raftstore.state_machine import TableMeta
 from raftstore.tables import TableStore
 
@@ -37,3 +42,68 @@ def test_records_asked_from_inside_a_record_begin_exactly_there(tmp_path: Path) 
     first = pa.ipc.read_record_batch(pa.py_buffer(records[0].payload), SCHEMA)
     assert first.column(0).to_pylist() == [7, 8, 9]
     store.close()
+
+
+def _batch(first: int, count: int) -> pa.RecordBatch:
+    return pa.record_batch([pa.array(range(first, first + count), pa.int64())], schema=SCHEMA)
+
+
+def _ids(store: TableStore, offset_from: int, offset_to: int) -> list[int]:
+    return [
+        value
+        for rows in store.read(offset_from, offset_to, 1_000_000)
+        for value in rows.batch.column(0).to_pylist()
+    ]
+
+
+def test_the_node_budget_drops_the_oldest_cached_batches_of_any_table(tmp_path: Path) -> None:
+    # Each table's cacheLimit alone would keep 10 rows; the node's budget holds two batches.
+    budget = CacheBudget(bytes_max=2 * _batch(0, 4).get_total_buffer_size())
+    first = TableStore(_meta(), tmp_path / "a.1", budget=budget)
+    second = TableStore(_meta(), tmp_path / "b.1", budget=budget)
+    first.append(1, 0, _batch(0, 4), 1)
+    first.append(2, 4, _batch(4, 4), 2)
+    second.append(3, 0, _batch(100, 4), 3)  # over the budget: first's oldest batch goes
+    assert budget.evicted_batches == 1
+    assert budget.bytes_cached <= budget.bytes_max
+    assert _ids(first, 0, 8) == list(range(8))  # the dropped rows come from the files
+    assert _ids(second, 0, 4) == list(range(100, 104))
+    second.close()  # a closed table's cache leaves the budget
+    assert budget.bytes_cached == _batch(4, 4).get_total_buffer_size()
+    first.close()
+    assert budget.bytes_cached == 0
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    appends=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6)), min_size=1, max_size=40),
+    limits_=st.tuples(st.integers(1, 12), st.integers(1, 12), st.integers(1, 12)),
+    budget_batches=st.integers(1, 8),
+)
+def test_reads_are_right_and_the_budget_holds_whatever_tables_cache(
+    tmp_path_factory: pytest.TempPathFactory,
+    appends: list[tuple[int, int]],
+    limits_: tuple[int, int, int],
+    budget_batches: int,
+) -> None:
+    root = tmp_path_factory.mktemp("budget")
+    budget = CacheBudget(bytes_max=budget_batches * _batch(0, 3).get_total_buffer_size())
+    stores = [
+        TableStore(replace(_meta(), cache_limit=limit), root / f"t{number}.1", budget=budget)
+        for number, limit in enumerate(limits_)
+    ]
+    rows = [0, 0, 0]
+    for lsn, (table, count) in enumerate(appends, start=1):
+        stores[table].append(lsn, rows[table], _batch(rows[table], count), lsn)
+        rows[table] += count
+        assert budget.bytes_cached <= budget.bytes_max
+        held = sum(entry.nbytes for store in stores for entry in store._cache)
+        assert held == budget.bytes_cached
+    for store, count in zip(stores, rows, strict=True):
+        assert _ids(store, 0, count) == list(range(count))
+        if count > 1:
+            assert _ids(store, count // 2, count) == list(range(count // 2, count))
+        store.close()
+    assert budget.bytes_cached == 0
