@@ -163,7 +163,8 @@ class PublishPipeline:
         self._next_sequence = first_sequence
         self._producer_known = False  # the group acknowledged a request of this producer
         self._renew = renew  # go on under a fresh producer after a failure (module docstring)
-        self._failure: PublishAborted | None = None  # set when a failure ends the pipeline
+        # (sequence, cause) of the failure that ended a pipeline that does not renew.
+        self._ended_by: tuple[int, str] | None = None
         self._unacked: collections.deque[_Request] = collections.deque()
         self._unacked_bytes = 0  # payload bytes of `_unacked`
         self._acked = 0  # requests acknowledged so far (progress, for the retry budget)
@@ -222,16 +223,10 @@ class PublishPipeline:
             raise InvalidArgument("row_count", f"must be in [1, {wire.BATCH_ROWS_MAX}]")
         future: Future[AppendResult] = Future()
         with self._condition:
-            if self._closing:
-                raise InvalidArgument("publisher", "the pipeline is closed")
-            if self._failure is not None:
-                raise self._failure
+            self._check_open()
             while self._window_full(len(payload)):  # bounded: acks or failure
                 self._condition.wait(timeout=_POLL_S)
-                if self._closing:
-                    raise InvalidArgument("publisher", "the pipeline is closed")
-                if self._failure is not None:
-                    raise self._failure
+                self._check_open()
             sequence = self._next_sequence
             self._next_sequence += 1
             self._unacked.append(_Request(sequence, payload, row_count, future))
@@ -248,6 +243,13 @@ class PublishPipeline:
                     daemon=True,
                 ).start()
         return future
+
+    def _check_open(self) -> None:
+        """Raise if the pipeline takes no more requests (caller holds the lock)."""
+        if self._closing:
+            raise InvalidArgument("publisher", "the pipeline is closed")
+        if self._ended_by is not None:
+            raise PublishAborted(*self._ended_by)
 
     def _window_full(self, payload_bytes: int) -> bool:
         """Whether one more request must wait (caller holds the lock). A request alone in
@@ -509,7 +511,7 @@ class PublishPipeline:
             self._unacked.clear()
             self._unacked_bytes = 0
             if renew and not self._renew:
-                self._failure = PublishAborted(failed[0].sequence, str(error))
+                self._ended_by = (failed[0].sequence, str(error))
             elif renew:
                 self._producer_id = secrets.token_bytes(wire.PRODUCER_ID_BYTES)
                 self._next_sequence = 1

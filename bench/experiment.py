@@ -58,10 +58,7 @@ def node_environment(config: str, root: Path, *, trace: bool) -> dict[str, str]:
             raise SystemExit(f"config {config!r}: unknown item {item!r} (known: {known})")
     if trace:
         knobs.append(f"trace_file={trace_path(root, '<ALIAS>')}")
-    tuning.parse(",".join(knobs), "check")  # refuse a bad knob here, not in three node logs
-    if knobs:
-        environment[tuning.ENVIRONMENT_VARIABLE] = ",".join(knobs)
-    return environment
+    return {**environment, **common.tuning_environment(",".join(knobs))}
 
 
 def trace_path(root: Path, alias: str) -> Path:

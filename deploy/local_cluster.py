@@ -135,6 +135,8 @@ class LocalCluster:
     # more environment variables for every node process, e.g. raftstore.tuning's
     # HASTREAM_TUNING for an A/B run (bench.experiment)
     environment: dict[str, str] = field(default_factory=dict)
+    # the checkout the nodes run from (bench.checkouts_ab starts one cluster per checkout)
+    repo: Path = REPO
     nodes: dict[str, NodeProcess] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # enable_metrics()
     # enable_tls(): what the harness's own channels (stub) connect with
@@ -243,7 +245,7 @@ class LocalCluster:
         under that limit of open files, soft and hard (`prlimit`)."""
         node = self.nodes[alias]
         node.log_offset = node.log_path.stat().st_size if node.log_path.exists() else 0
-        env = dict(os.environ, PYTHONPATH=str(REPO), **self.environment)
+        env = dict(os.environ, PYTHONPATH=str(self.repo), **self.environment)
         command = [sys.executable, "-m", "raftstore", "--config", str(self.config_path)]
         command += ["--node", alias]
         if nofile is not None:
@@ -252,7 +254,7 @@ class LocalCluster:
         with node.log_path.open("ab") as log_file:
             node.process = subprocess.Popen(
                 command,
-                cwd=REPO,
+                cwd=self.repo,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=env,

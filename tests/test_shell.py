@@ -354,15 +354,9 @@ def test_peers_whose_retention_passed_the_whole_gap_leave_an_empty_table_at_its_
     # exists anywhere: the table starts empty where the gap ends (the entries after the
     # checkpoint append from there), not at 240, which "fetched" rows the log never had.
     def fetch(
-        peer: NodeAddress,
-        group_id: int,
-        table: str,
-        offset_from: int,
-        offset_to: int,
-        created_lsn: int,
+        _peer: NodeAddress, _group: int, table: str, offset_from: int, *_: int
     ) -> Iterator[DataRecord]:
         raise OffsetOutOfRange(table, offset_from, 240, 260)
-        yield  # a generator, like the real fetch
 
     repairer = Repairer(0, tmp_path / "side", fetch, [PEER, OTHER], spawn=Threads().start)
     repairer.start([_gap("t", 100)])

@@ -1,0 +1,141 @@
+"""A/B of a node-side change: two checkouts, one three-node cluster each, cells interleaved.
+
+    python -m bench.checkouts_ab --a <checkout> --b <checkout> --shape async:10000 \\
+        [--rounds 5] [--seconds 4]
+
+`git worktree add /tmp/before <rev>` makes the other checkout. Both clusters run side by
+side on this machine; every round publishes one cell into a fresh table on each, in turns
+(the order alternates from round to round), so drifting load hits both arms alike. The
+client is this process's code (api_clients of the checkout this runs from): the A/B is of
+the nodes. Shapes, as in bench.vs_nats: `wait:N` (Publisher.append of N rows, waited for;
+also its p50 latency) or `async:N` (append_async, 64 in flight); one row is a row tuple,
+N rows a pyarrow Table of bench.vs_nats's 11 columns. Prints each round and the medians,
+with the ratio B/A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from api_clients import Publisher, Session
+from bench import common
+from bench.vs_nats import SCHEMA, RowPool, hastream_builder
+from deploy.local_cluster import LocalCluster
+
+
+@dataclass(frozen=True)
+class Shape:
+    wait: bool
+    rows: int
+
+    @staticmethod
+    def parse(text: str) -> Shape:
+        kind, _, rows = text.partition(":")
+        if kind not in ("wait", "async") or not rows.isdigit() or int(rows) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected wait:N or async:N")
+        return Shape(wait=kind == "wait", rows=int(rows))
+
+
+@dataclass(frozen=True)
+class Cell:
+    rows_per_s: float
+    p50_ms: float | None
+
+
+def publish(
+    session: Session, table: str, shape: Shape, build: Callable[[int], object], seconds: float
+) -> Cell:
+    """Publish `shape` (rows made by `build`) into `table` for `seconds`, after one warm-up
+    append."""
+    publisher = Publisher(session, table)
+    try:
+        if shape.wait:
+            publisher.append(build(0))
+        else:
+            publisher.append_async(build(0)).result()
+        latencies: list[float] = []
+        number, started = 1, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            data = build(number)
+            if shape.wait:
+                sent = time.perf_counter()
+                publisher.append(data)
+                latencies.append(time.perf_counter() - sent)
+            else:
+                publisher.append_async(data)
+            number += 1
+        publisher.flush()
+        elapsed = time.perf_counter() - started
+    finally:
+        publisher.close()
+    p50 = statistics.median(latencies) * 1000 if latencies else None
+    return Cell((number - 1) * shape.rows / elapsed, p50)
+
+
+def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float) -> int:
+    clusters: dict[str, LocalCluster] = {}
+    sessions: dict[str, Session] = {}
+    cells: dict[str, list[Cell]] = {arm: [] for arm in checkouts}
+    build = hastream_builder(RowPool.make(), shape.rows)
+    try:
+        for arm, repo in checkouts.items():
+            root = Path(tempfile.mkdtemp(prefix=f"hastream-ab-{arm}-"))
+            cluster = clusters[arm] = LocalCluster(root, purge_interval_s=60, repo=repo)
+            cluster.start()
+            cluster.leader(common.HA_GROUP)
+            sessions[arm] = Session([node.site for node in cluster.nodes.values()])
+        for number in range(rounds):
+            order = list(checkouts) if number % 2 == 0 else list(reversed(checkouts))
+            for arm in order:
+                table = f"ab{number}"
+                clusters[arm].create_table(table, SCHEMA, group=common.HA_GROUP)
+                sessions[arm].getStreamingLeader(common.HA_GROUP)
+                cell = publish(sessions[arm], table, shape, build, seconds)
+                cells[arm].append(cell)
+                latency = "" if cell.p50_ms is None else f", p50 {cell.p50_ms:.2f} ms"
+                print(f"round {number} {arm}: {cell.rows_per_s:,.0f} rows/s{latency}", flush=True)
+    finally:
+        for session in sessions.values():
+            session.close()
+        for cluster in clusters.values():
+            cluster.stop()
+    medians = {arm: statistics.median(c.rows_per_s for c in runs) for arm, runs in cells.items()}
+    for arm, repo in checkouts.items():
+        p50s = [c.p50_ms for c in cells[arm] if c.p50_ms is not None]
+        latency = f", p50 {statistics.median(p50s):.2f} ms" if p50s else ""
+        print(f"{arm} ({repo}): median {medians[arm]:,.0f} rows/s{latency}")
+    print(f"B/A: x{medians['B'] / medians['A']:.2f} (load average {common.load_average():.1f})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.checkouts_ab",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--a", type=Path, required=True, help="checkout A (the baseline)")
+    parser.add_argument("--b", type=Path, required=True, help="checkout B (the candidate)")
+    parser.add_argument("--shape", type=Shape.parse, default=Shape(wait=False, rows=10_000))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    args = parser.parse_args(argv)
+    for checkout in (args.a, args.b):
+        if not (checkout / "raftstore" / "__main__.py").is_file():
+            parser.error(f"{checkout} is not a checkout of this project (no raftstore/)")
+    if args.rounds < 1 or args.seconds <= 0:
+        parser.error("--rounds >= 1 and --seconds > 0")
+    return run(
+        {"A": args.a.resolve(), "B": args.b.resolve()}, args.shape, args.rounds, args.seconds
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
