@@ -1,7 +1,7 @@
 """A/B of a node-side change: two checkouts, one three-node cluster each, cells interleaved.
 
     python -m bench.checkouts_ab --a <checkout> --b <checkout> --shape async:10000 \\
-        [--rounds 5] [--seconds 4]
+        [--columns 11|211] [--rounds 5] [--seconds 4]
 
 `git worktree add /tmp/before <rev>` makes the other checkout. Both clusters run side by
 side on this machine; every round publishes one cell into a fresh table on each, in turns
@@ -9,8 +9,10 @@ side on this machine; every round publishes one cell into a fresh table on each,
 client is this process's code (api_clients of the checkout this runs from): the A/B is of
 the nodes. Shapes, as in bench.vs_nats: `wait:N` (Publisher.append of N rows, waited for;
 also its p50 latency) or `async:N` (append_async, 64 in flight); one row is a row tuple,
-N rows a pyarrow Table of bench.vs_nats's 11 columns. Prints each round and the medians,
-with the ratio B/A.
+N rows a pyarrow Table of bench.vs_nats's 11 columns, or with `--columns 211` of the wide
+table of bench.throughput (pre-built, so the client costs little). Prints each round and
+the medians, with the ratio B/A, of rows/s and of the three nodes' CPU per 10,000 rows
+(utime + stime: the cost of a row, steadier than rows/s on a shared machine).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from api_clients import Publisher, Session
 from bench import common
-from bench.vs_nats import SCHEMA, RowPool, hastream_builder
+from bench.vs_nats import SCHEMA, RowPool, cpu_meter, hastream_builder
 from deploy.local_cluster import LocalCluster
 
 
@@ -47,6 +49,7 @@ class Shape:
 class Cell:
     rows_per_s: float
     p50_ms: float | None
+    node_cpu_ms_per_10k: float = 0.0
 
 
 def publish(
@@ -79,11 +82,22 @@ def publish(
     return Cell((number - 1) * shape.rows / elapsed, p50)
 
 
-def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float) -> int:
+def wide_builder(rows: int) -> tuple[object, Callable[[int], object]]:
+    """(schema, build) of bench.throughput's 211-column table: a few tables built once
+    and handed out in turn (the client's work per append stays small)."""
+    schema = common.schema_for(common.WIDE_COLUMNS)
+    tables = [common.make_table(schema, rows, number * rows) for number in range(4)]
+    return schema, lambda number: tables[number % len(tables)]
+
+
+def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, columns: int) -> int:
     clusters: dict[str, LocalCluster] = {}
     sessions: dict[str, Session] = {}
     cells: dict[str, list[Cell]] = {arm: [] for arm in checkouts}
-    build = hastream_builder(RowPool.make(), shape.rows)
+    if columns == common.WIDE_COLUMNS:
+        schema, build = wide_builder(shape.rows)
+    else:
+        schema, build = SCHEMA, hastream_builder(RowPool.make(), shape.rows)
     try:
         for arm, repo in checkouts.items():
             root = Path(tempfile.mkdtemp(prefix=f"hastream-ab-{arm}-"))
@@ -95,23 +109,40 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float) -
             order = list(checkouts) if number % 2 == 0 else list(reversed(checkouts))
             for arm in order:
                 table = f"ab{number}"
-                clusters[arm].create_table(table, SCHEMA, group=common.HA_GROUP)
+                clusters[arm].create_table(table, schema, group=common.HA_GROUP)
                 sessions[arm].getStreamingLeader(common.HA_GROUP)
-                cell = publish(sessions[arm], table, shape, build, seconds)
+                pids = list(common.node_pids(clusters[arm]).values())
+                with cpu_meter(pids) as spent:
+                    cell = publish(sessions[arm], table, shape, build, seconds)
+                rows = cell.rows_per_s * seconds  # about: the flush adds a little
+                cell = Cell(cell.rows_per_s, cell.p50_ms, spent[0] * 1000 / rows * 10_000)
                 cells[arm].append(cell)
                 latency = "" if cell.p50_ms is None else f", p50 {cell.p50_ms:.2f} ms"
-                print(f"round {number} {arm}: {cell.rows_per_s:,.0f} rows/s{latency}", flush=True)
+                print(
+                    f"round {number} {arm}: {cell.rows_per_s:,.0f} rows/s{latency}, "
+                    f"node CPU {cell.node_cpu_ms_per_10k:,.1f} ms per 10k rows",
+                    flush=True,
+                )
     finally:
         for session in sessions.values():
             session.close()
         for cluster in clusters.values():
             cluster.stop()
     medians = {arm: statistics.median(c.rows_per_s for c in runs) for arm, runs in cells.items()}
+    cpu = {
+        arm: statistics.median(c.node_cpu_ms_per_10k for c in runs) for arm, runs in cells.items()
+    }
     for arm, repo in checkouts.items():
         p50s = [c.p50_ms for c in cells[arm] if c.p50_ms is not None]
         latency = f", p50 {statistics.median(p50s):.2f} ms" if p50s else ""
-        print(f"{arm} ({repo}): median {medians[arm]:,.0f} rows/s{latency}")
-    print(f"B/A: x{medians['B'] / medians['A']:.2f} (load average {common.load_average():.1f})")
+        print(
+            f"{arm} ({repo}): median {medians[arm]:,.0f} rows/s{latency}, "
+            f"node CPU {cpu[arm]:,.1f} ms per 10k rows"
+        )
+    print(
+        f"B/A: rows/s x{medians['B'] / medians['A']:.2f}, node CPU per row "
+        f"x{cpu['B'] / cpu['A']:.2f} (load average {common.load_average():.1f})"
+    )
     return 0
 
 
@@ -124,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--a", type=Path, required=True, help="checkout A (the baseline)")
     parser.add_argument("--b", type=Path, required=True, help="checkout B (the candidate)")
     parser.add_argument("--shape", type=Shape.parse, default=Shape(wait=False, rows=10_000))
+    parser.add_argument(
+        "--columns", type=int, choices=(common.NARROW_COLUMNS, common.WIDE_COLUMNS), default=11
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=4.0)
     args = parser.parse_args(argv)
@@ -133,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.seconds <= 0:
         parser.error("--rounds >= 1 and --seconds > 0")
     return run(
-        {"A": args.a.resolve(), "B": args.b.resolve()}, args.shape, args.rounds, args.seconds
+        {"A": args.a.resolve(), "B": args.b.resolve()},
+        args.shape,
+        args.rounds,
+        args.seconds,
+        args.columns,
     )
 
 

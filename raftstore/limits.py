@@ -100,13 +100,17 @@ QUARANTINED_TABLES_MAX: Final = 8
 # Replica digests compare at most this many of a table's newest rows.
 DIGEST_ROWS_MAX: Final = 1_000_000
 
-# Raft log bytes held between checkpoints before a checkpoint is forced early (pysyncobj
-# keeps the whole log in RAM until compaction).
+# Raft log bytes between checkpoints before a checkpoint is forced early (disk, and the
+# replay after a restart).
 RAFT_LOG_BYTES_MAX: Final = 256 * MIB
+# ... of which at most this many command bytes are held in memory, the newest (older ones
+# are read back from the journal file when a lagging follower or a replay asks for them).
+RAFT_LOG_RESIDENT_BYTES: Final = 2 * ENTRY_BYTES_MAX
 
 assert ENTRY_BYTES_MAX >= BATCH_BYTES_MAX + MIB, "one batch plus framing must fit an entry"
 assert RAFT_APPEND_BATCH_BYTES >= 2 * ENTRY_BYTES_MAX, "avoid pysyncobj's chunked-send bug"
 assert RAFT_LOG_BYTES_MAX > 4 * ENTRY_BYTES_MAX
+assert RAFT_LOG_RESIDENT_BYTES >= 2 * ENTRY_BYTES_MAX, "the last two entries stay in memory"
 assert DOUBT_LOG_BYTES_MAX > RAFT_LOG_BYTES_MAX, "a replica in doubt keeps more than a healthy"
 assert DATA_FILES_OPEN_MIN <= DATA_FILES_OPEN_MAX
 assert DATA_FILES_OPEN_MAX * DATA_FILES_FD_LIMIT_DIVISOR <= FD_SOFT_LIMIT_IF_UNLIMITED

@@ -161,7 +161,7 @@ class LocalReplica:
         return True
 
     def _entry(self, index: int) -> bytes:
-        first = int(self._journal[0][1])
+        first = self._journal.index_at(0)
         command, held, _ = self._journal[index - first]
         assert held == index, (held, index)
         return bytes(command)
@@ -183,7 +183,10 @@ class LocalReplica:
             checkpoint.write_atomic(
                 self._checkpoint_path, group_checkpoint.KIND, body, files=self._files
             )
-            held = sum(1 for _, idx, _ in self._journal[:] if idx <= snapshot.lsn)
+            journal = self._journal
+            held = len(journal) and max(
+                0, min(len(journal), snapshot.lsn - journal.index_at(0) + 1)
+            )
             self._journal.drop_first(held)
             self._hooks.checkpoint_written(snapshot.lsn)
         except OSError as error:

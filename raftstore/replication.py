@@ -13,7 +13,8 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
      is computed. The leader appends proposals later in the tick, so every entry it counts
      for itself is already on disk.
    So an entry is committed only once it is fsynced on a majority. Term and vote are written
-   with fsync before they are used.
+   with fsync before they are used. The journal holds only its newest commands in memory
+   (`__getEntries` is replaced so that a send reads back only what it sends).
 2. Checkpoints. Log compaction runs with our serializer (no fork): the group's hooks fsync
    the data files and write a checksummed checkpoint; only then does pysyncobj truncate the
    log. At restart our deserializer first trims the journal to start at the checkpoint's two
@@ -214,6 +215,18 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             # The checkpoint is in place and the journal cut before it (the cut fsyncs the
             # directory both live in): the applier may drop what only older replays needed.
             self._replica.checkpoint_durable()
+
+    def _SyncObj__getEntries(
+        self, fromIDx: int | None, count: int | None = None, maxSizeBytes: int | None = None
+    ) -> list[Entry]:
+        # pysyncobj's (syncobj.py __getEntries) slices the whole rest of the log before it
+        # cuts the slice to maxSizeBytes; the journal holds only its newest commands in
+        # memory, so that would read back a lagging follower's whole backlog on every send.
+        # The journal cuts first, then reads what it does not hold.
+        journal = self._journal
+        if fromIDx is None or not len(journal) or fromIDx < journal.index_at(0):
+            return []
+        return journal.entries(fromIDx - journal.index_at(0), count, maxSizeBytes)
 
     def _SyncObj__applyLogEntries(self) -> bool:
         # pysyncobj's loop (syncobj.py __applyLogEntries), except that

@@ -13,13 +13,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.cluster
-def test_both_arms_publish_and_the_ratio_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--a", str(REPO), "--b", str(REPO), "--shape", "async:100"]
+@pytest.mark.parametrize("columns", ["11", "211"])
+def test_both_arms_publish_and_the_ratio_is_printed(
+    capsys: pytest.CaptureFixture[str], columns: str
+) -> None:
+    argv = ["--a", str(REPO), "--b", str(REPO), "--shape", "async:100", "--columns", columns]
     assert checkouts_ab.main([*argv, "--rounds", "1", "--seconds", "0.3"]) == 0
     out = capsys.readouterr().out
     assert "round 0 A:" in out
     assert "round 0 B:" in out
-    assert "B/A: x" in out
+    assert "B/A: rows/s x" in out
+    assert "node CPU per row x" in out
 
 
 def test_a_directory_that_is_not_a_checkout_is_refused(tmp_path: Path) -> None:

@@ -26,6 +26,13 @@ it only delays re-applying entries after a restart).
 
 Environment errors (ENOSPC, EIO) fail a call cleanly: see `DurableJournal`.
 
+Memory: the journal holds the commands of its newest entries, up to
+RAFT_LOG_RESIDENT_BYTES, and of its first two (pysyncobj reads the first entry's index on
+every send, and the first two are a checkpoint's trailer); an older command is read back
+from the file, CRC-checked, when asked for (a follower that fell behind, a restart's
+replay). The log may hold up to RAFT_LOG_BYTES_MAX between checkpoints without the node
+holding it all in RAM.
+
 Recovery: opening fsyncs the file and the directory (a run killed before its fdatasync left
 entries in the page cache only; they are durable before a follower acknowledges them). A
 record that is incomplete or fails its CRC at the very end of the file is a torn
@@ -50,7 +57,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from hastream.errors import CorruptionError
-from raftstore import trace
+from raftstore import limits, trace
 from raftstore.storage import checkpoint
 from raftstore.storage.files import FILE_MODE, REAL_FILES, Files, ensure_dir, read_all, write_all
 
@@ -63,8 +70,10 @@ _RECORD_HEADER: Final = struct.Struct("<IIQQ")  # crc32, command_len, idx, term
 _CRC_COVERED: Final = struct.Struct("<IQQ")  # command_len, idx, term
 META_KIND: Final = b"META"
 COMMAND_BYTES_MAX: Final = 1 << 31
-# Buffers per writev when a whole journal is rewritten (Linux IOV_MAX is 1024).
-_WRITEV_BUFFERS_MAX: Final = 1024
+# The first entries, always held in memory (pysyncobj reads log[0] and log[1] often).
+_PINNED: Final = 2
+# Bytes copied per read when a checkpoint rewrites the journal's tail into a new file.
+_COPY_CHUNK_BYTES: Final = 8 * limits.MIB
 
 Entry = tuple[bytes, int, int]  # (command, idx, term): pysyncobj's journal entry shape
 
@@ -87,16 +96,30 @@ class DurableJournal:
     reopened: recovery reads what the disk really holds).
     """
 
-    def __init__(self, directory: Path, *, files: Files = REAL_FILES) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        files: Files = REAL_FILES,
+        resident_bytes_max: int = limits.RAFT_LOG_RESIDENT_BYTES,
+    ) -> None:
         self._files = files
+        self._resident_bytes_max = resident_bytes_max
         ensure_dir(files, directory, root=directory)
         self._directory = directory
         self._path = directory / "raft.journal"
         self._meta_path = directory / "raft.meta"
-        self._entries: list[Entry] = []
+        # Entry i is (command, index, term) at file position `_positions[i]`; its command
+        # is None when it was dropped from memory (read back from the file on demand).
+        self._commands: list[bytes | None] = []
+        self._indexes: list[int] = []
+        self._terms: list[int] = []
         self._positions: list[int] = []  # file position of each entry's record
         self._end = 0  # file size: where the next record goes (the fd is O_APPEND)
-        self._bytes_total = 0  # command bytes held (pysyncobj keeps the whole log in RAM)
+        # Commands [_PINNED, _evict_upto) are out of memory; [_evict_upto, len) are held
+        # and add up to _resident_bytes (the pinned first two are not counted).
+        self._evict_upto = _PINNED
+        self._resident_bytes = 0
         self._dirty = False
         self._failed: CorruptionError | None = None
         self._meta: dict[str, Any] = self._load_meta()
@@ -193,10 +216,10 @@ class DurableJournal:
         computed = zlib.crc32(view[start : start + length], zlib.crc32(view[position + 4 : start]))
         if computed != crc:
             return f"crc mismatch stored={crc:#x} computed={computed:#x}"
-        if self._entries and idx != self._entries[-1][1] + 1:
+        if self._indexes and idx != self._indexes[-1] + 1:
             # A valid record that breaks the index chain is never a torn write.
             raise CorruptionError(
-                str(self._path), position, f"index {idx} does not follow {self._entries[-1][1]}"
+                str(self._path), position, f"index {idx} does not follow {self._indexes[-1]}"
             )
         return None
 
@@ -205,11 +228,11 @@ class DurableJournal:
         the file, or only zero bytes follow it, and it was never fdatasynced. Anything else is
         corruption."""
         synced_last = int(self._meta.get("synced_last_index", 0))
-        if self._entries and self._entries[-1][1] + 1 <= synced_last:
+        if self._indexes and self._indexes[-1] + 1 <= synced_last:
             raise CorruptionError(
                 str(self._path),
                 position,
-                f"{problem}; entry {self._entries[-1][1] + 1} was fdatasynced "
+                f"{problem}; entry {self._indexes[-1] + 1} was fdatasynced "
                 f"(synced_last_index {synced_last} in raft.meta), so this is no torn write",
             )
         length = 0
@@ -226,9 +249,24 @@ class DurableJournal:
         )
 
     def _append_entry(self, command: bytes, idx: int, term: int, position: int) -> None:
-        self._entries.append((command, idx, term))
+        self._commands.append(command)
+        self._indexes.append(idx)
+        self._terms.append(term)
         self._positions.append(position)
-        self._bytes_total += len(command)
+        if len(self._commands) > self._evict_upto:
+            self._resident_bytes += len(command)
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the oldest held commands (not the pinned first two, nor the last) from
+        memory while more than `resident_bytes_max` are held."""
+        last = len(self._commands) - 1
+        while self._resident_bytes > self._resident_bytes_max and self._evict_upto < last:
+            command = self._commands[self._evict_upto]
+            assert command is not None
+            self._resident_bytes -= len(command)
+            self._commands[self._evict_upto] = None
+            self._evict_upto += 1
 
     # --- entries ----------------------------------------------------------------------
 
@@ -239,10 +277,8 @@ class DurableJournal:
         if not isinstance(command, bytes):
             command = bytes(command)
         assert len(command) < COMMAND_BYTES_MAX
-        if self._entries:
-            assert idx == self._entries[-1][1] + 1, (
-                f"journal gap: {idx} after {self._entries[-1][1]}"
-            )
+        if self._indexes:
+            assert idx == self._indexes[-1] + 1, f"journal gap: {idx} after {self._indexes[-1]}"
         position = self._end
         started = trace.clock()
         header, body = _encode_record(command, idx, term)
@@ -260,12 +296,12 @@ class DurableJournal:
 
     def truncate_from(self, count: int) -> None:
         """Keep only the first `count` entries (a leader overwrote the rest)."""
-        if count < len(self._entries):
+        if count < len(self._indexes):
             self._truncate_to(count)
 
     def drop_first(self, entry_to: int) -> None:
-        """Drop the first `entry_to` entries (after a checkpoint): rewrite the rest into a new
-        file, fsync it, rename it over the old one, fsync the directory.
+        """Drop the first `entry_to` entries (after a checkpoint): copy the records after
+        them into a new file, fsync it, rename it over the old one, fsync the directory.
 
         Raises OSError from the disk. Up to the rename nothing has changed (the new file is
         removed). If the directory fsync after the rename fails, the new file is in place and
@@ -275,12 +311,16 @@ class DurableJournal:
         self._check_writable()
         if entry_to <= 0:
             return
-        kept = self._entries[entry_to:]
+        entry_to = min(entry_to, len(self._indexes))
+        # The new first two entries stay in memory (pinned); read before the old file goes.
+        pinned = {i: self._command(i) for i in range(entry_to, min(entry_to + _PINNED, len(self)))}
+        copy_from = self._positions[entry_to] if entry_to < len(self) else self._end
         tmp = self._path.with_suffix(".journal.tmp")
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
         fd = self._files.open(tmp, flags, FILE_MODE)
         try:
-            positions, end = self._write_entries(fd, kept)
+            write_all(self._files, fd, [_FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION)])
+            self._copy_tail(fd, copy_from)
             self._files.fsync(fd)
             self._files.replace(tmp, self._path)
         except BaseException:
@@ -289,37 +329,114 @@ class DurableJournal:
                 self._files.unlink(tmp)
             raise
         old_fd, self._fd = self._fd, fd
-        self._entries = kept
-        self._positions = positions
-        self._end = end
-        self._bytes_total = sum(len(entry[0]) for entry in kept)
+        shift = copy_from - _FILE_HEADER.size
+        self._commands = self._commands[entry_to:]
+        for i, command in pinned.items():
+            self._commands[i - entry_to] = command
+        del self._indexes[:entry_to]
+        del self._terms[:entry_to]
+        self._positions = [position - shift for position in self._positions[entry_to:]]
+        self._end -= shift
+        self._evict_upto = max(_PINNED, self._evict_upto - entry_to)
+        self._resident_bytes = sum(
+            len(command) for command in self._commands[self._evict_upto :] if command is not None
+        )
         self._dirty = False
         try:
             self._files.fsync_dir(self._directory)
         finally:
             self._files.close(old_fd)
 
-    def _write_entries(self, fd: int, entries: list[Entry]) -> tuple[list[int], int]:
-        """Write a whole journal (header and `entries`) to a new file; (positions, end)."""
-        positions: list[int] = []
-        buffers: list[bytes] = [_FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION)]
-        position = _FILE_HEADER.size
-        for command, idx, term in entries:
-            header, body = _encode_record(command, idx, term)
-            positions.append(position)
-            position += len(header) + len(body)
-            if len(buffers) + 2 > _WRITEV_BUFFERS_MAX:
-                write_all(self._files, fd, buffers)
-                buffers = []
-            buffers += (header, body)
-        write_all(self._files, fd, buffers)
-        return positions, position
+    def _copy_tail(self, fd: int, position: int) -> None:
+        """Append this journal's records from `position` on to the file `fd`, as bytes (the
+        records carry no file positions, so they read the same in the new file)."""
+        while position < self._end:
+            chunk = self._files.pread(
+                self._fd, min(_COPY_CHUNK_BYTES, self._end - position), position
+            )
+            if not chunk:
+                raise CorruptionError(str(self._path), position, "journal shorter than its index")
+            write_all(self._files, fd, [chunk])
+            position += len(chunk)
+
+    def _command(self, i: int) -> bytes:
+        command = self._commands[i]
+        return command if command is not None else self._read_back(i, i + 1)[0]
+
+    def _read_back(self, first: int, stop: int) -> list[bytes]:
+        """The commands of entries [first, stop) from the file, each checked against its
+        CRC, index and term (a mismatch is corruption: the file changed under the node)."""
+        start = self._positions[first]
+        end = self._positions[stop] if stop < len(self._positions) else self._end
+        data = self._files.pread(self._fd, end - start, start)
+        if len(data) != end - start:
+            raise CorruptionError(str(self._path), start, "journal shorter than its index")
+        view = memoryview(data)
+        commands: list[bytes] = []
+        offset = 0
+        for i in range(first, stop):
+            crc, length, idx, term = _RECORD_HEADER.unpack_from(view, offset)
+            body = offset + _RECORD_HEADER.size
+            computed = zlib.crc32(view[body : body + length], zlib.crc32(view[offset + 4 : body]))
+            if (crc, idx, term) != (computed, self._indexes[i], self._terms[i]):
+                raise CorruptionError(
+                    str(self._path),
+                    start + offset,
+                    f"record read back is not entry {self._indexes[i]} (term {self._terms[i]}): "
+                    f"index {idx}, term {term}, crc stored={crc:#x} computed={computed:#x}",
+                )
+            commands.append(bytes(view[body : body + length]))
+            offset = body + length
+        return commands
+
+    def entries(
+        self, first: int, count: int | None = None, bytes_max: int | None = None
+    ) -> list[Entry]:
+        """Entries from position `first` on: at most `count`, and with `bytes_max` only as
+        many as reach it (the one that crosses it included, as pysyncobj's __getEntries)."""
+        stop = len(self) if count is None else min(len(self), first + count)
+        first = max(0, first)
+        if bytes_max is not None:
+            total = 0
+            for i in range(first, stop):
+                total += self._length(i)
+                if total >= bytes_max:
+                    stop = i + 1
+                    break
+        if first >= stop:
+            return []
+        commands = self._commands[first:stop]
+        evicted_from, evicted_to = max(first, _PINNED), min(stop, self._evict_upto)
+        if evicted_from < evicted_to:
+            commands[evicted_from - first : evicted_to - first] = self._read_back(
+                evicted_from, evicted_to
+            )
+        return [
+            (command, idx, term)  # type: ignore[misc]
+            for command, idx, term in zip(
+                commands, self._indexes[first:stop], self._terms[first:stop], strict=True
+            )
+        ]
+
+    def _length(self, i: int) -> int:
+        """Command bytes of entry i (from the record positions)."""
+        end = self._positions[i + 1] if i + 1 < len(self._positions) else self._end
+        return end - self._positions[i] - _RECORD_HEADER.size
+
+    def index_at(self, i: int) -> int:
+        """The Raft index of the entry at position i (no read of its command)."""
+        return self._indexes[i]
 
     def __getitem__(self, item: int | slice) -> Any:
-        return self._entries[item]
+        if isinstance(item, slice):
+            first, stop, step = item.indices(len(self))
+            assert step == 1, "journal slices are contiguous"
+            return self.entries(first, max(0, stop - first))
+        i = range(len(self))[item]  # IndexError as a list's
+        return (self._command(i), self._indexes[i], self._terms[i])
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._indexes)
 
     def close(self) -> None:
         """Sync, store the metadata and close. The fd is closed even if that fails."""
@@ -382,10 +499,10 @@ class DurableJournal:
             self._dirty = False
             self.syncs += 1
             tracer = trace.current()
-            if tracer.on and self._entries:
-                tracer.journal_synced(self._entries[-1][1], started, trace.clock())
-            if self._entries and self._meta.get("synced_last_index") != self._entries[-1][1]:
-                self._meta["synced_last_index"] = self._entries[-1][1]
+            if tracer.on and self._indexes:
+                tracer.journal_synced(self._indexes[-1], started, trace.clock())
+            if self._indexes and self._meta.get("synced_last_index") != self._indexes[-1]:
+                self._meta["synced_last_index"] = self._indexes[-1]
                 self._meta_dirty = True  # stored with the commit index (onOneSecondTimer)
 
     @property
@@ -400,7 +517,14 @@ class DurableJournal:
 
     @property
     def bytes_total(self) -> int:
-        return self._bytes_total
+        """Command bytes in the log (held in memory or not)."""
+        records = len(self._indexes) * _RECORD_HEADER.size
+        return max(0, self._end - _FILE_HEADER.size - records)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Command bytes held in memory (the pinned first two not counted)."""
+        return self._resident_bytes
 
     @property
     def directory(self) -> Path:
@@ -427,7 +551,7 @@ class DurableJournal:
     def _truncate_to(self, count: int) -> None:
         """Drop entries [count, ...). Raises OSError with nothing dropped."""
         self._check_writable()
-        kept_last = self._entries[count - 1][1] if count else 0
+        kept_last = self._indexes[count - 1] if count else 0
         synced_last = int(self._meta.get("synced_last_index", 0))
         if synced_last > kept_last:
             # Durably before the cut: entries written later at these indexes are not synced,
@@ -442,9 +566,13 @@ class DurableJournal:
                 self._meta["synced_last_index"] = synced_last
                 self._meta_dirty = True
             raise
-        for command, _, _ in self._entries[count:]:
-            self._bytes_total -= len(command)
-        del self._entries[count:]
+        for command in self._commands[max(count, self._evict_upto) :]:
+            assert command is not None
+            self._resident_bytes -= len(command)
+        self._evict_upto = max(_PINNED, min(self._evict_upto, count))
+        del self._commands[count:]
+        del self._indexes[count:]
+        del self._terms[count:]
         del self._positions[count:]
         self._end = position
         self._dirty = True

@@ -1,0 +1,142 @@
+"""The journal holds only its newest commands in memory and reads the rest back from its
+file: whatever it holds, every read answers as a plain list of the entries would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hastream.errors import CorruptionError
+from raftstore.storage.files import SimFiles
+from raftstore.storage.journal import DurableJournal, Entry
+
+pytestmark = pytest.mark.storage
+
+SIM_DIR = Path("/node/group-1")
+RESIDENT = 64  # bytes: a few commands, so most reads go to the file
+
+
+def pysyncobj_get_entries(
+    log: list[Entry], first: int, count: int | None, bytes_max: int | None
+) -> list[Entry]:
+    """pysyncobj's __getEntries over a plain list (syncobj.py, 0.3.17)."""
+    result = log[first:] if count is None else log[first : first + count]
+    if bytes_max is None:
+        return result
+    total = 0
+    for i, entry in enumerate(result):
+        total += len(entry[0])
+        if total >= bytes_max:
+            return result[: i + 1]
+    return result
+
+
+class JournalAgainstAList(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sim = SimFiles()
+        self.journal = DurableJournal(SIM_DIR, files=self.sim, resident_bytes_max=RESIDENT)
+        self.model: list[Entry] = []
+        self.next_idx = 1
+        self.term = 1
+
+    @rule(size=st.integers(0, 40), data=st.data())
+    def append(self, size: int, data: st.DataObject) -> None:
+        command = data.draw(st.binary(min_size=size, max_size=size))
+        self.journal.append(command, self.next_idx, self.term)
+        self.model.append((command, self.next_idx, self.term))
+        self.next_idx += 1
+
+    @rule()
+    def sync(self) -> None:
+        self.journal.sync()
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def truncate_from(self, data: st.DataObject) -> None:
+        count = data.draw(st.integers(0, len(self.model)))
+        self.journal.truncate_from(count)
+        del self.model[count:]
+        self.term += 1  # a new leader overwrites the rest
+        self.next_idx = self.model[-1][1] + 1 if self.model else self.next_idx
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def drop_first(self, data: st.DataObject) -> None:
+        count = data.draw(st.integers(1, len(self.model)))
+        self.journal.drop_first(count)
+        del self.model[:count]
+
+    @rule()
+    def restart(self) -> None:
+        """kill -9 and start again: the file is all there is."""
+        self.journal = DurableJournal(SIM_DIR, files=self.sim, resident_bytes_max=RESIDENT)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def read_range(self, data: st.DataObject) -> None:
+        first = data.draw(st.integers(0, len(self.model)))
+        count = data.draw(st.none() | st.integers(0, len(self.model) + 2))
+        bytes_max = data.draw(st.none() | st.integers(1, 200))
+        expected = pysyncobj_get_entries(self.model, first, count, bytes_max)
+        assert self.journal.entries(first, count, bytes_max) == expected
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def read_one(self, data: st.DataObject) -> None:
+        i = data.draw(st.integers(-len(self.model), len(self.model) - 1))
+        assert self.journal[i] == self.model[i]
+
+    @invariant()
+    def holds_the_entries_of_the_model(self) -> None:
+        assert len(self.journal) == len(self.model)
+        assert self.journal[:] == self.model
+        assert self.journal.bytes_total == sum(len(entry[0]) for entry in self.model)
+        last = len(self.model[-1][0]) if self.model else 0
+        assert self.journal.resident_bytes <= RESIDENT + last
+        for i, entry in enumerate(self.model):
+            assert self.journal.index_at(i) == entry[1]
+
+
+TestJournalAgainstAList = JournalAgainstAList.TestCase
+TestJournalAgainstAList.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_record_damaged_after_it_left_memory_is_corruption_when_read_back(
+    tmp_path: Path,
+) -> None:
+    journal = DurableJournal(tmp_path, resident_bytes_max=RESIDENT)
+    for idx in range(1, 11):
+        journal.append(bytes([idx]) * 30, idx, 1)
+    journal.sync()
+    position = journal._positions[4] + 30  # inside entry 5's command, long out of memory
+    with open(tmp_path / "raft.journal", "r+b") as file:
+        file.seek(position)
+        byte = file.read(1)
+        file.seek(position)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    assert journal[3] == (bytes([4]) * 30, 4, 1)  # its neighbours read back fine
+    with pytest.raises(CorruptionError, match="not entry 5"):
+        journal[4]
+    journal.close()
+
+
+def test_memory_holds_the_newest_commands_and_the_first_two(tmp_path: Path) -> None:
+    journal = DurableJournal(tmp_path, resident_bytes_max=RESIDENT)
+    for idx in range(1, 101):
+        journal.append(bytes([idx]) * 30, idx, 1)
+    assert journal.bytes_total == 3000
+    assert journal.resident_bytes <= RESIDENT + 30
+    held = [i for i, command in enumerate(journal._commands) if command is not None]
+    assert held[:2] == [0, 1]
+    assert held[-1] == 99
+    assert len(held) <= 2 + RESIDENT // 30 + 1
+    journal.drop_first(50)  # the new first two come back into memory
+    assert journal._commands[0] == bytes([51]) * 30
+    assert journal._commands[1] == bytes([52]) * 30
+    assert [entry[1] for entry in journal[:]] == list(range(51, 101))
+    journal.close()
