@@ -19,8 +19,8 @@ Process-wide (`install`):
 - `TCPTransport._onNewIncomingConnection` and `_onTick` (at most RAFT_UNAUTHENTICATED_MAX
   accepted links wait for their handshake, each at most RAFT_HANDSHAKE_S).
 Per class, in replication.py's `_SyncObj` (listed in `SYNCOBJ_METHODS` for the guard):
-`__applyLogEntries`, `__doApplyCommand`, `__onMessageReceived`, `__sendNextNodeIdx`,
-`__tryLogCompaction`.
+`__applyLogEntries`, `__doApplyCommand`, `__getEntries`, `__onMessageReceived`,
+`__sendNextNodeIdx`, `__tryLogCompaction`.
 """
 
 from __future__ import annotations
