@@ -432,8 +432,11 @@ class DurableJournal:
             first, stop, step = item.indices(len(self))
             assert step == 1, "journal slices are contiguous"
             return self.entries(first, max(0, stop - first))
-        i = range(len(self))[item]  # IndexError as a list's
-        return (self._command(i), self._indexes[i], self._terms[i])
+        # pysyncobj reads log[-1] and log[0] many times per tick: the held case stays cheap.
+        command = self._commands[item]  # IndexError as a list's
+        if command is None:
+            command = self._command(range(len(self))[item])
+        return (command, self._indexes[item], self._terms[item])
 
     def __len__(self) -> int:
         return len(self._indexes)
