@@ -18,6 +18,7 @@ the medians, with the ratio B/A, of rows/s and of the three nodes' CPU per 10,00
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -92,6 +93,7 @@ def wide_builder(rows: int) -> tuple[object, Callable[[int], object]]:
 
 def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, columns: int) -> int:
     clusters: dict[str, LocalCluster] = {}
+    roots: list[Path] = []
     sessions: dict[str, Session] = {}
     cells: dict[str, list[Cell]] = {arm: [] for arm in checkouts}
     if columns == common.WIDE_COLUMNS:
@@ -101,6 +103,7 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
     try:
         for arm, repo in checkouts.items():
             root = Path(tempfile.mkdtemp(prefix=f"hastream-ab-{arm}-"))
+            roots.append(root)
             cluster = clusters[arm] = LocalCluster(root, purge_interval_s=60, repo=repo)
             cluster.start()
             cluster.leader(common.HA_GROUP)
@@ -128,6 +131,8 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
             session.close()
         for cluster in clusters.values():
             cluster.stop()
+        for root in roots:  # a run writes gigabytes: an A/B left behind filled the disk
+            shutil.rmtree(root, ignore_errors=True)
     medians = {arm: statistics.median(c.rows_per_s for c in runs) for arm, runs in cells.items()}
     cpu = {
         arm: statistics.median(c.node_cpu_ms_per_10k for c in runs) for arm, runs in cells.items()

@@ -3,6 +3,7 @@ checkout twice), a cell on each in turn, and the medians and their ratio printed
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,15 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.cluster
 @pytest.mark.parametrize("columns", ["11", "211"])
 def test_both_arms_publish_and_the_ratio_is_printed(
-    capsys: pytest.CaptureFixture[str], columns: str
+    capsys: pytest.CaptureFixture[str],
+    columns: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     argv = ["--a", str(REPO), "--b", str(REPO), "--shape", "async:100", "--columns", columns]
     assert checkouts_ab.main([*argv, "--rounds", "1", "--seconds", "0.3"]) == 0
+    assert list(tmp_path.iterdir()) == []  # both clusters' directories are gone
     out = capsys.readouterr().out
     assert "round 0 A:" in out
     assert "round 0 B:" in out
