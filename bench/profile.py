@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         leader = cluster.leader(common.HA_GROUP)
         group = common.HA_GROUP if args.mode == "ha" else common.LOCAL_GROUP
         table = f"profile_{args.mode}"
-        common.create_table(cluster, leader, table, schema, group=group)
+        leader = common.create_table(cluster, leader, table, schema, group=group)
         stats = _load(cluster, leader, table, pool, args, name, out)
         order = [leader] + [alias for alias in cluster.nodes if alias != leader]
     profiles = []
