@@ -150,6 +150,27 @@ def iter_rows(messages: Iterator[pb.RowBatch]) -> Iterator[pa.Table]:
         yield read_stream(message.payload)
 
 
+def wait_durable_checkpoint_of_what_is_applied(
+    cluster: LocalCluster, alias: str, group: int = 2
+) -> None:
+    """Until a checkpoint taken after now is durable on `alias`. (`checkpoints_written`
+    counts a checkpoint when its state is taken, before the Raft checkpoint file is in
+    place: a kill right then restarts from the one before, and replays the log instead. At
+    most one is in flight, and each becomes durable unless a write fails.)"""
+
+    def counts() -> tuple[int, int]:
+        status = cluster.group_status(alias, group)
+        return int(status["checkpoints_written"]), int(status["checkpoints_durable"])
+
+    written, _ = counts()
+
+    def done() -> bool:
+        now_written, now_durable = counts()
+        return now_written > written and now_durable >= now_written
+
+    wait_until(done, timeout_s=60, message=f"a durable checkpoint on {alias}")
+
+
 def restart_with_a_damaged_record(
     cluster: LocalCluster, alias: str, table: str, group: int = 2
 ) -> Path:

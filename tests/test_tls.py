@@ -24,6 +24,7 @@ from tests.harness import (
     assert_replicas_hold_exactly,
     restart_with_a_damaged_record,
     wait_damage_repaired,
+    wait_durable_checkpoint_of_what_is_applied,
     wait_until,
 )
 from tests.ops_helpers import run_cli, run_cli_raw
@@ -179,14 +180,9 @@ def test_a_damaged_replica_repairs_from_its_peers_over_mutual_tls(
     wait_until(
         lambda: cluster.row_count(follower, "repaired") == 2000, timeout_s=60, message="rows"
     )
-    # A checkpoint after the rows: the restart cannot replay them from the log, it must
-    # fetch them from a peer.
-    checkpoints = cluster.group_status(follower, 2)["checkpoints_written"]
-    wait_until(
-        lambda: cluster.group_status(follower, 2)["checkpoints_written"] > checkpoints,
-        timeout_s=60,
-        message="follower checkpointed the rows",
-    )
+    # A durable checkpoint after the rows: the restart cannot replay them from the log, it
+    # must fetch them from a peer.
+    wait_durable_checkpoint_of_what_is_applied(cluster, follower)
     restart_with_a_damaged_record(cluster, follower, "repaired")
     wait_damage_repaired(cluster, follower)
     assert "repair fetched" in cluster.log_tail(follower, lines=400)
