@@ -167,6 +167,10 @@ class PublishPipeline:
         self._ended_by: tuple[int, str] | None = None
         self._unacked: collections.deque[_Request] = collections.deque()
         self._unacked_bytes = 0  # payload bytes of `_unacked`
+        # Thread -> groups of requests it took off `_unacked` and is completing the futures
+        # of (outside the lock): flush waits for them too, except on that thread itself (a
+        # future's callback may flush).
+        self._settling: dict[int, int] = {}
         self._acked = 0  # requests acknowledged so far (progress, for the retry budget)
         self._closing = False
         self._closed = threading.Event()  # set with _closing: wakes the watchdog
@@ -265,7 +269,9 @@ class PublishPipeline:
         `timeout_s` passed first."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._condition:
-            while self._unacked:  # bounded: every request is acked or fails at the deadline
+            # Bounded: every request is acked or fails at the deadline, and its future is
+            # completed right after (a caller that flushed may look at its futures at once).
+            while self._unacked or self._settling_elsewhere():
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
                 self._condition.wait(timeout=_POLL_S)
@@ -459,11 +465,34 @@ class PublishPipeline:
                 self._acked += len(done)
                 self._producer_known = True
                 attempt.waiting_since = time.monotonic() if attempt.sent else None
+                self._settling_begins()
                 self._condition.notify_all()
-        if done:
+        if not done:
+            return
+        try:
             self._session.remember_leader(attempt.site, table=self._table, group=None)
-        for request, result in done:
-            request.future.set_result(result)
+            for request, result in done:
+                request.future.set_result(result)
+        finally:
+            self._settled()
+
+    def _settling_begins(self) -> None:
+        """This thread took requests off `_unacked` (caller holds the condition)."""
+        me = threading.get_ident()
+        self._settling[me] = self._settling.get(me, 0) + 1
+
+    def _settled(self) -> None:
+        """This thread completed the futures of the requests it took off `_unacked`."""
+        me = threading.get_ident()
+        with self._condition:
+            self._settling[me] -= 1
+            if not self._settling[me]:
+                del self._settling[me]
+            self._condition.notify_all()
+
+    def _settling_elsewhere(self) -> bool:
+        me = threading.get_ident()
+        return any(ident != me for ident in self._settling)
 
     def _after_failure(self, site: str, error: RaftStoreError, retry: _Retry) -> str:
         """Where the next attempt goes; fails the pipeline (and returns `site`) when the
@@ -510,6 +539,7 @@ class PublishPipeline:
             failed = list(self._unacked)
             self._unacked.clear()
             self._unacked_bytes = 0
+            self._settling_begins()
             if renew and not self._renew:
                 self._ended_by = (failed[0].sequence, str(error))
             elif renew:
@@ -523,9 +553,12 @@ class PublishPipeline:
                 )
             self._condition.notify_all()
         head = failed[0]
-        head.future.set_exception(error)
-        for request in failed[1:]:
-            request.future.set_exception(PublishAborted(head.sequence, str(error)))
+        try:
+            head.future.set_exception(error)
+            for request in failed[1:]:
+                request.future.set_exception(PublishAborted(head.sequence, str(error)))
+        finally:
+            self._settled()
 
 
 def append_result(response: hastream_pb2.PublishResponse) -> AppendResult:
