@@ -30,7 +30,9 @@ def spark() -> Iterator[Any]:
         pytest.skip("java is not installed")
     from spark_publisher.local import local_spark
 
-    session = local_spark("hastream-tests", cores=2, memory="1g")
+    # 2g: with 1g, collecting a cached million-row frame (the tests' expected data) once
+    # lost a task result from the block manager under memory pressure (TaskResultLost).
+    session = local_spark("hastream-tests", cores=2, memory="2g")
     yield session
     session.stop()
 
