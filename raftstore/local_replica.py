@@ -184,10 +184,10 @@ class LocalReplica:
                 self._checkpoint_path, group_checkpoint.KIND, body, files=self._files
             )
             journal = self._journal
-            held = len(journal) and max(
-                0, min(len(journal), snapshot.lsn - journal.index_at(0) + 1)
-            )
-            self._journal.drop_first(held)
+            if len(journal):  # the entries up to the checkpoint's lsn (indexes are contiguous)
+                journal.drop_first(
+                    max(0, min(len(journal), snapshot.lsn - journal.index_at(0) + 1))
+                )
             self._hooks.checkpoint_written(snapshot.lsn)
         except OSError as error:
             # The journal keeps every entry: the next checkpoint tries again.
