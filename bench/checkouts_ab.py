@@ -24,8 +24,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import pyarrow as pa
 
 from api_clients import Publisher, Session
 from bench import common
@@ -48,9 +50,10 @@ class Shape:
 
 @dataclass(frozen=True)
 class Cell:
-    rows_per_s: float
+    rows_per_s: float  # timed rows over the timed loop and the flush
     p50_ms: float | None
-    node_cpu_ms_per_10k: float = 0.0
+    rows: int  # every row the cell published, the warm-up append included
+    node_cpu_ms_per_10k: float = 0.0  # set by run(): the nodes' CPU over `rows`
 
 
 def publish(
@@ -80,10 +83,10 @@ def publish(
     finally:
         publisher.close()
     p50 = statistics.median(latencies) * 1000 if latencies else None
-    return Cell((number - 1) * shape.rows / elapsed, p50)
+    return Cell((number - 1) * shape.rows / elapsed, p50, rows=number * shape.rows)
 
 
-def wide_builder(rows: int) -> tuple[object, Callable[[int], object]]:
+def wide_builder(rows: int) -> tuple[pa.Schema, Callable[[int], object]]:
     """(schema, build) of bench.throughput's 211-column table: a few tables built once
     and handed out in turn (the client's work per append stays small)."""
     schema = common.schema_for(common.WIDE_COLUMNS)
@@ -117,8 +120,7 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
                 pids = list(common.node_pids(clusters[arm]).values())
                 with cpu_meter(pids) as spent:
                     cell = publish(sessions[arm], table, shape, build, seconds)
-                rows = cell.rows_per_s * seconds  # about: the flush adds a little
-                cell = Cell(cell.rows_per_s, cell.p50_ms, spent[0] * 1000 / rows * 10_000)
+                cell = replace(cell, node_cpu_ms_per_10k=spent[0] * 1000 / cell.rows * 10_000)
                 cells[arm].append(cell)
                 latency = "" if cell.p50_ms is None else f", p50 {cell.p50_ms:.2f} ms"
                 print(

@@ -28,7 +28,7 @@ class CacheEntry:
     dropped (None) once the table let it go, so the budget's order keeps no batch alive."""
 
     rows: Any  # tables.RowSlice; Any keeps this module below tables.py
-    nbytes: int
+    nbytes: int  # counted in the budget's bytes; 0 once out of the count
     evict: Callable[[CacheEntry], bool]  # the table drops the entry if it still holds it
 
 
@@ -71,6 +71,9 @@ class CacheBudget:
         """The table let `entry` go by itself (its cacheLimit, or it closed)."""
         with self._lock:
             if entry.rows is None:
+                return
+            if entry.nbytes == 0:  # `added` took it out of the order to evict it: not there
+                entry.rows = None
                 return
             self._bytes -= entry.nbytes
             entry.nbytes = 0

@@ -183,11 +183,8 @@ class LocalReplica:
             checkpoint.write_atomic(
                 self._checkpoint_path, group_checkpoint.KIND, body, files=self._files
             )
-            journal = self._journal
-            if len(journal):  # the entries up to the checkpoint's lsn (indexes are contiguous)
-                journal.drop_first(
-                    max(0, min(len(journal), snapshot.lsn - journal.index_at(0) + 1))
-                )
+            if len(self._journal):  # the entries up to the lsn (drop_first clamps the count)
+                self._journal.drop_first(snapshot.lsn - self._journal.index_at(0) + 1)
             self._hooks.checkpoint_written(snapshot.lsn)
         except OSError as error:
             # The journal keeps every entry: the next checkpoint tries again.

@@ -300,8 +300,9 @@ class DurableJournal:
             self._truncate_to(count)
 
     def drop_first(self, entry_to: int) -> None:
-        """Drop the first `entry_to` entries (after a checkpoint): copy the records after
-        them into a new file, fsync it, rename it over the old one, fsync the directory.
+        """Drop the first `entry_to` entries, or all if there are fewer (after a checkpoint):
+        copy the records after them into a new file, fsync it, rename it over the old one,
+        fsync the directory.
 
         Raises OSError from the disk. Up to the rename nothing has changed (the new file is
         removed). If the directory fsync after the rename fails, the new file is in place and
