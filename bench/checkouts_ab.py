@@ -12,12 +12,16 @@ also its p50 latency) or `async:N` (append_async, 64 in flight); one row is a ro
 N rows a pyarrow Table of bench.vs_nats's 11 columns, or with `--columns 211` of the wide
 table of bench.throughput (pre-built, so the client costs little). Prints each round and
 the medians, with the ratio B/A, of rows/s and of the three nodes' CPU per 10,000 rows
-(utime + stime: the cost of a row, steadier than rows/s on a shared machine).
+(utime + stime: the cost of a row, steadier than rows/s on a shared machine), Raft elections
+during a cell (the HA group's term moved), and at the end the checkpoint times of each arm
+(the `checkpoint ... took_ms` lines of its nodes' logs: the data-file fsync a checkpoint
+does on the Raft thread).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import statistics
 import sys
@@ -54,6 +58,7 @@ class Cell:
     p50_ms: float | None
     rows: int  # every row the cell published, the warm-up append included
     node_cpu_ms_per_10k: float = 0.0  # set by run(): the nodes' CPU over `rows`
+    elections: int = 0  # set by run(): how far the HA group's term moved during the cell
 
 
 def publish(
@@ -84,6 +89,24 @@ def publish(
         publisher.close()
     p50 = statistics.median(latencies) * 1000 if latencies else None
     return Cell((number - 1) * shape.rows / elapsed, p50, rows=number * shape.rows)
+
+
+def ha_term(cluster: LocalCluster) -> int:
+    return max(
+        int(cluster.group_status(alias, common.HA_GROUP)["term"]) for alias in cluster.alive()
+    )
+
+
+_CHECKPOINT_LINE = re.compile(rf"checkpoint group={common.HA_GROUP} .*took_ms=([0-9.]+)")
+
+
+def checkpoint_times_ms(cluster: LocalCluster) -> list[float]:
+    """Every HA-group checkpoint's duration in the cluster's node logs (ms)."""
+    took: list[float] = []
+    for node in cluster.nodes.values():
+        text = node.log_path.read_text(errors="replace") if node.log_path.exists() else ""
+        took.extend(float(match) for match in _CHECKPOINT_LINE.findall(text))
+    return took
 
 
 def wide_builder(rows: int) -> tuple[pa.Schema, Callable[[int], object]]:
@@ -118,15 +141,28 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
                 clusters[arm].create_table(table, schema, group=common.HA_GROUP)
                 sessions[arm].getStreamingLeader(common.HA_GROUP)
                 pids = list(common.node_pids(clusters[arm]).values())
+                term = ha_term(clusters[arm])
                 with cpu_meter(pids) as spent:
                     cell = publish(sessions[arm], table, shape, build, seconds)
-                cell = replace(cell, node_cpu_ms_per_10k=spent[0] * 1000 / cell.rows * 10_000)
+                cell = replace(
+                    cell,
+                    node_cpu_ms_per_10k=spent[0] * 1000 / cell.rows * 10_000,
+                    elections=ha_term(clusters[arm]) - term,
+                )
                 cells[arm].append(cell)
                 latency = "" if cell.p50_ms is None else f", p50 {cell.p50_ms:.2f} ms"
+                elections = f", {cell.elections} election(s)" if cell.elections else ""
                 print(
                     f"round {number} {arm}: {cell.rows_per_s:,.0f} rows/s{latency}, "
-                    f"node CPU {cell.node_cpu_ms_per_10k:,.1f} ms per 10k rows",
+                    f"node CPU {cell.node_cpu_ms_per_10k:,.1f} ms per 10k rows{elections}",
                     flush=True,
+                )
+        for arm, cluster in clusters.items():
+            took = checkpoint_times_ms(cluster)
+            if took:
+                print(
+                    f"{arm} checkpoints of the HA group: {len(took)}, took median "
+                    f"{statistics.median(took):,.1f} ms, max {max(took):,.1f} ms"
                 )
     finally:
         for session in sessions.values():

@@ -68,6 +68,13 @@ RAFT_COMMAND_QUEUE_MAX: Final = 1_000
 # Data files.
 SEGMENT_BYTES_MAX: Final = 64 * MIB
 RECORD_BYTES_MAX: Final = ENTRY_BYTES_MAX
+# A table's appends start the disk's writeback of its data file every this many bytes
+# (sync_file_range; RocksDB's bytes_per_sync), so a checkpoint's fsync does not find up to
+# RAFT_LOG_BYTES_MAX of dirty pages per node all at once.
+DATA_WRITEBACK_BYTES: Final = 4 * MIB
+# Data files waiting for the writeback thread to start their writeback; beyond it a request
+# is dropped (the checkpoint's fsync does that file's work).
+WRITEBACK_QUEUE_MAX: Final = 256
 # Data files held open at once by one process, across every table (storage/files.py
 # OpenFiles): beyond it the least recently used is closed, and reopened when next needed. It
 # is also at most 1/DATA_FILES_FD_LIMIT_DIVISOR of the soft fd limit, so that sockets,

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ from raftstore.storage.files import (
     OpenFiles,
     PowerLoss,
     SimFiles,
+    Writeback,
     ensure_dir,
     read_file,
     write_all,
@@ -488,3 +492,103 @@ def test_raise_fd_soft_limit_raises_to_the_hard_limit() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
+
+
+# --- early writeback ---------------------------------------------------------------------
+
+
+class _GatedFiles(SimFiles):
+    """start_writeback blocks until released, records its fds, and can fail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.started: list[int] = []
+        self.error: OSError | None = None
+
+    def start_writeback(self, fd: int, /) -> None:
+        self.gate.wait(10)
+        self.started.append(fd)
+        if self.error is not None:
+            raise self.error
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _gated() -> _GatedFiles:
+    files = _GatedFiles()
+    ensure_dir(files, ROOT, root=ROOT)
+    return files
+
+
+def test_real_start_writeback_starts_on_a_file_and_names_a_bad_fd(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "data", APPEND, FILE_MODE)
+    try:
+        os.write(fd, b"x" * 65536)
+        REAL_FILES.start_writeback(fd)  # Linux: sync_file_range; elsewhere nothing.
+    finally:
+        os.close(fd)
+    if sys.platform == "linux":
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            REAL_FILES.start_writeback(fd)
+
+
+def test_writeback_runs_each_file_once_and_drops_beyond_its_queue() -> None:
+    files = _gated()
+    open_files = OpenFiles(open_max=10)
+    handles = [open_files.open(files, ROOT / f"f{n}", APPEND) for n in range(4)]
+    writeback = Writeback(queue_max=2)
+    writeback.request(handles[0])  # Taken by the thread, which waits at the gate.
+    writeback.request(handles[0])  # Already queued: nothing more.
+    writeback.request(handles[1])
+    writeback.request(handles[2])  # Two queued: dropped, left to the fsync.
+    assert writeback.dropped_total == 1
+    files.gate.set()
+    assert writeback.wait_idle(10)
+    assert files.started == [handles[0].fd, handles[1].fd]
+    assert writeback.started_total == 2
+    writeback.request(handles[3])
+    assert writeback.wait_idle(10)
+    assert files.started[-1] == handles[3].fd
+
+
+def test_a_queued_writeback_keeps_its_file_open_until_it_ran() -> None:
+    files = _gated()
+    open_files = OpenFiles(open_max=1)
+    handle = open_files.open(files, ROOT / "a", APPEND)
+    fd = handle.fd
+    writeback = Writeback()
+    writeback.request(handle)
+    open_files.forget(handle)  # The table let it go...
+    del handle
+    assert files.open_fds == 1  # ... but the queued request still holds it.
+    files.gate.set()
+    assert writeback.wait_idle(10)
+    assert files.started == [fd]
+    assert wait_for(lambda: files.open_fds == 0)  # Closed once the thread is done with it.
+
+
+def test_a_failed_writeback_is_counted_and_logged_and_the_thread_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    files = _gated()
+    files.gate.set()
+    files.error = OSError(errno.EIO, "I/O error")
+    handle = OpenFiles().open(files, ROOT / "a", APPEND)
+    writeback = Writeback()
+    with caplog.at_level(logging.WARNING):
+        writeback.request(handle)
+        assert writeback.wait_idle(10)
+    assert writeback.failed_total == 1
+    assert "early writeback failed" in caplog.text
+    files.error = None
+    writeback.request(handle)
+    assert writeback.wait_idle(10)
+    assert writeback.started_total == 1

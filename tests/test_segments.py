@@ -20,7 +20,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hastream.errors import CorruptionError, NodeUnavailable, OffsetOutOfRange
-from raftstore.storage.files import Fault, OpenFiles, SimFiles
+from raftstore.storage.files import (
+    DATA_WRITEBACK,
+    Fault,
+    FileHandle,
+    OpenFiles,
+    SimFiles,
+    Writeback,
+)
 from raftstore.storage.format import HEADER_SIZE
 from raftstore.storage.segments import DataRecord, TableLog, segment_name
 
@@ -777,4 +784,34 @@ def test_offset_for_time_skips_segments_removed_by_retention(table_dir: Path) ->
     assert log.offset_for_time(0) == (3 * ROWS, 3), "before the earliest: the earliest"
     assert log.offset_for_time(5) == (5 * ROWS, 5)
     assert log.offset_for_time(9) is None, "after the newest: none"
+    log.close()
+
+
+class _CountingWriteback(Writeback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.requested: list[Path] = []
+
+    def request(self, handle: FileHandle) -> None:
+        self.requested.append(handle.path)
+
+
+def test_appends_ask_for_writeback_every_writeback_bytes(table_dir: Path) -> None:
+    writeback = _CountingWriteback()
+    record_size = HEADER_SIZE + len(_payload(1))
+    log = TableLog(table_dir, writeback_bytes=3 * record_size, writeback=writeback)
+    _append(log, 7)
+    assert writeback.requested == [table_dir / segment_name(0)] * 2  # After records 3 and 6.
+    log.sync()  # Writeback makes nothing durable: the fsync still does.
+    log.close()
+    assert len(_read_all(TableLog(table_dir))) == 7
+
+
+def test_the_process_writeback_really_runs_for_a_big_table(table_dir: Path) -> None:
+    log = TableLog(table_dir, writeback_bytes=1)
+    before = DATA_WRITEBACK.started_total + DATA_WRITEBACK.dropped_total
+    _append(log, 3)
+    assert DATA_WRITEBACK.wait_idle(10)
+    assert DATA_WRITEBACK.started_total + DATA_WRITEBACK.dropped_total > before
+    assert DATA_WRITEBACK.failed_total == 0
     log.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -80,6 +81,11 @@ class Files(Protocol):
 
     def fdatasync(self, fd: int, /) -> None: ...
 
+    def start_writeback(self, fd: int, /) -> None:
+        """Start writing the file's dirty pages to disk, without waiting for them and without
+        making anything durable (a later fsync still must): spreads a big fsync's work over
+        the writes before it."""
+
     def ftruncate(self, fd: int, size: int, /) -> None: ...
 
     def size(self, fd: int, /) -> int:
@@ -118,6 +124,32 @@ def _fstat_size(fd: int, /) -> int:
     return os.fstat(fd).st_size
 
 
+def _libc_sync_file_range() -> Callable[[int], None] | None:
+    """`sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)` through ctypes (Linux; os has no
+    binding), or None where libc lacks it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+
+    def start_writeback(fd: int, /) -> None:
+        if function(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+
+    return start_writeback
+
+
+def _no_writeback(fd: int, /) -> None:
+    """Where sync_file_range is missing: the fsync does all the work, as before."""
+
+
+_SYNC_FILE_RANGE_WRITE: Final = 2
+
+
 def _fsync_dir(path: Path, /) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -153,6 +185,7 @@ class RealFiles:
     writev = staticmethod(os.writev)
     fsync = staticmethod(os.fsync)
     fdatasync = staticmethod(os.fdatasync)
+    start_writeback = staticmethod(_libc_sync_file_range() or _no_writeback)
     ftruncate = staticmethod(os.ftruncate)
     size = staticmethod(_fstat_size)
     replace = staticmethod(os.replace)
@@ -348,6 +381,67 @@ class OpenFiles:
 
 OPEN_DATA_FILES: Final = OpenFiles()
 """The process's data-file handles: the fd limit is per process, so its bound is too."""
+
+
+class Writeback:
+    """A thread that starts the disk's writeback of data files (`Files.start_writeback`) for
+    the threads that append to them. The appending thread is the Raft thread, and
+    sync_file_range can wait for the disk's queue: handing it over keeps that wait off the
+    thread that sends heartbeats. Advisory: a request that finds the queue full, or a
+    handle already queued, is dropped (the checkpoint's fsync writes what is left), and a
+    failure is logged (that fsync reports the disk's errors). A queued request holds its
+    handle, so its fd cannot close and be reused before the call. Thread-safe; the thread
+    starts with the first request."""
+
+    def __init__(self, *, queue_max: int = limits.WRITEBACK_QUEUE_MAX) -> None:
+        assert queue_max >= 1, queue_max
+        self._queue_max = queue_max
+        self._condition = threading.Condition()
+        self._queued: collections.OrderedDict[int, FileHandle] = collections.OrderedDict()
+        self._thread: threading.Thread | None = None
+        self.started_total = 0
+        self.dropped_total = 0  # Queue full: left to the fsync.
+        self.failed_total = 0
+
+    def request(self, handle: FileHandle) -> None:
+        with self._condition:
+            if handle.serial in self._queued:
+                return
+            if len(self._queued) >= self._queue_max:
+                self.dropped_total += 1
+                return
+            self._queued[handle.serial] = handle
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="data-writeback", daemon=True
+                )
+                self._thread.start()
+            self._condition.notify()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once nothing is queued (tests)."""
+        with self._condition:
+            return self._condition.wait_for(lambda: not self._queued, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                self._condition.wait_for(lambda: bool(self._queued))
+                _, handle = next(iter(self._queued.items()))
+            try:
+                handle.files.start_writeback(handle.fd)
+                self.started_total += 1
+            except OSError as error:
+                self.failed_total += 1
+                log.warning("early writeback failed path=%s error=%s", handle.path, error)
+            with self._condition:
+                del self._queued[handle.serial]
+                self._condition.notify_all()
+            del handle  # Closes the file here if its table let it go meanwhile.
+
+
+DATA_WRITEBACK: Final = Writeback()
+"""The process's writeback thread: one is enough for one disk."""
 
 
 def raise_fd_soft_limit() -> int:
@@ -749,6 +843,10 @@ class SimFiles:
     def fdatasync(self, fd: int, /) -> None:
         handle = self._handle_or_badf(fd)
         self._run("fdatasync", handle.path, lambda: self._sync(fd))
+
+    def start_writeback(self, fd: int, /) -> None:
+        """Nothing becomes durable, and it is not an operation of the fault plan: it runs
+        on the writeback thread, whose timing would make `crash_at` counts irreproducible."""
 
     def _sync(self, fd: int) -> None:
         node = self._handle(fd).node

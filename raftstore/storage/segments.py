@@ -52,12 +52,14 @@ from hastream.errors import CorruptionError, NodeUnavailable, OffsetOutOfRange
 from raftstore import limits
 from raftstore.storage import format as storage_format
 from raftstore.storage.files import (
+    DATA_WRITEBACK,
     FILE_MODE,
     OPEN_DATA_FILES,
     REAL_FILES,
     FileHandle,
     Files,
     OpenFiles,
+    Writeback,
     ensure_dir,
 )
 from raftstore.storage.format import HEADER_SIZE, FormatError, RecordHeader
@@ -216,8 +218,10 @@ class TableLog:
         directory: Path,
         *,
         segment_bytes_max: int = limits.SEGMENT_BYTES_MAX,
+        writeback_bytes: int = limits.DATA_WRITEBACK_BYTES,
         files: Files = REAL_FILES,
         open_files: OpenFiles = OPEN_DATA_FILES,
+        writeback: Writeback = DATA_WRITEBACK,
     ) -> None:
         """Open (creating if missing, durably: `ensure_dir`) and recover the table's data
         files; what is found is fsynced. Raises CorruptionError on a failing record other
@@ -226,6 +230,8 @@ class TableLog:
         assert segment_bytes_max > HEADER_SIZE, segment_bytes_max
         self._directory = directory
         self._segment_bytes_max = segment_bytes_max
+        self._writeback_bytes = writeback_bytes
+        self._writeback = writeback
         self._files = files
         self._open_files = open_files
         self._lock = threading.Lock()
@@ -236,6 +242,7 @@ class TableLog:
         self._truncations = 0  # Bumped by truncate_from: readers' snapshots are stale.
         self._unsynced: list[_Segment] = []  # Sealed since the last sync, written before it.
         self._dirty = False  # The active segment was created or appended to since the last sync.
+        self._bytes_since_writeback = 0  # Appended to the active segment since its last one.
         self._directory_dirty = False  # Segment created since the last sync.
         self._closed = False
         # A failed write that left garbage, or a failed fsync (whose retry could succeed with
@@ -312,6 +319,13 @@ class TableLog:
             self._lsn_last = header.lsn
             self._bytes_total += header.record_size
         self._dirty = True
+        self._bytes_since_writeback += header.record_size
+        if self._bytes_since_writeback >= self._writeback_bytes:
+            # Let the disk start on it now, so that the checkpoint's fsync of every table
+            # (on the Raft thread: a long one holds heartbeats back and can cost an
+            # election) finds little left to write.
+            self._bytes_since_writeback = 0
+            self._writeback.request(handle)
 
     def sync(self) -> None:
         """Make every record appended so far durable: fsync the segments written since the last
@@ -537,6 +551,7 @@ class TableLog:
             self._sync_oldest_sealed()
         path = self._directory / segment_name(first_offset)
         segment = _Segment(path, first_offset)
+        self._bytes_since_writeback = 0  # The sealed segment's rest is left to its fsync.
         flags = _DATA_FILE_FLAGS | os.O_CREAT | os.O_EXCL
         handle = self._open_files.open(self._files, path, flags)  # Nothing changed if it fails.
         segment.handle = weakref.ref(handle)
