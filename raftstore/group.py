@@ -376,6 +376,8 @@ class Group:
             "journal_syncs": replica.get("journal_syncs", 0),
             "last_log_index": replica.get("last_log_index", replica.get("commit_index", 0)),
             "leader_changes": replica.get("leader_changes", 0),
+            "slow_ticks": replica.get("slow_ticks", 0),
+            "pre_votes": replica.get("pre_votes", 0),
             "transfer_target": replica.get("transfer_target"),
             "checkpoint_bytes_last": replica.get("checkpoint_bytes_last", 0),
             "match_index": match_index,

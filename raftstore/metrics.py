@@ -150,6 +150,14 @@ def _raft_families(statuses: list[tuple[Group, dict[str, Any]]]) -> Iterator[Met
     changes = CounterMetricFamily(
         "hastream_raft_leader_changes", "Changes of the leader this member knows", labels=g
     )
+    slow_ticks = CounterMetricFamily(
+        "hastream_raft_slow_ticks",
+        "Ticks that held the Raft thread for half an election timeout or more",
+        labels=g,
+    )
+    pre_votes = CounterMetricFamily(
+        "hastream_raft_pre_votes", "Pre-vote rounds this member started", labels=g
+    )
     log_bytes = GaugeMetricFamily(
         "hastream_raft_log_bytes", "Bytes of entries held in the Raft log", labels=g
     )
@@ -180,6 +188,8 @@ def _raft_families(statuses: list[tuple[Group, dict[str, Any]]]) -> Iterator[Met
         applied.add_metric(labels, status["last_applied"])
         last.add_metric(labels, status["last_log_index"])
         changes.add_metric(labels, status["leader_changes"])
+        slow_ticks.add_metric(labels, status["slow_ticks"])
+        pre_votes.add_metric(labels, status["pre_votes"])
         log_bytes.add_metric(labels, status["journal_bytes"])
         log_entries.add_metric(labels, status["log_len"])
         transfer.add_metric(labels, int(status.get("transfer_target") is not None))
@@ -190,6 +200,7 @@ def _raft_families(statuses: list[tuple[Group, dict[str, Any]]]) -> Iterator[Met
         if "fsync" in latencies:
             add_fsync(labels, latencies["fsync"])
     yield from (role, leader, has_leader, term, commit, applied, last, changes)
+    yield from (slow_ticks, pre_votes)
     yield from (log_bytes, log_entries, lag, transfer, fsync)
 
 

@@ -64,6 +64,8 @@ SYNCOBJ_METHODS: Final = (
     "_SyncObj__setState",
     "_SyncObj__generateRaftTimeout",
     "_SyncObj__getCurrentLogIndex",
+    "_SyncObj__getCurrentLogTerm",
+    "_SyncObj__connectedToAnyone",
 )
 # Instance attributes of SyncObj that replication.py reads or writes (checked by the tests
 # on a live instance: they exist only once SyncObj.__init__ ran).
@@ -83,6 +85,9 @@ SYNCOBJ_ATTRIBUTES: Final = (
     "_SyncObj__raftMatchIndex",
     "_SyncObj__raftNextIndex",
     "_SyncObj__raftState",
+    "_SyncObj__selfNode",
+    "_SyncObj__transferInProgress",
+    "_SyncObj__transport",
 )
 _MODULE_NAMES: Final = (
     (pysyncobj_pickle, "__protocol"),

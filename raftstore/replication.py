@@ -71,8 +71,10 @@ from hastream.errors import (
     Overloaded,
     RaftStoreError,
 )
-from raftstore import limits, pysyncobj_patches, trace
+from raftstore import limits, pre_vote, pysyncobj_patches, trace
 from raftstore.identity import REJOIN_MARKER
+from raftstore.log_limits import OncePerInterval
+from raftstore.pre_vote import LogPosition, PreVoteRound
 from raftstore.replica import STALLED, ApplyHooks, ProposalCallback, RoleSignal, Snapshot
 from raftstore.stats import (
     CHECKPOINT_BUCKETS_S,
@@ -126,6 +128,9 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._doubt_since: float | None = None
         self._next_transfer_at = 0.0
         self._checkpoint_forced_until = 0.0
+        self._pre_vote = PreVoteRound()
+        self._leader_heard_at: float | None = None  # last append_entries of a current term
+        self._slow_tick_log = OncePerInterval(10.0)
         super().__init__(*args, **kwargs)
 
     def _sync_and_acknowledge(self) -> None:
@@ -161,7 +166,10 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                 self._stay_out_of_leadership()
             else:
                 self._doubt_since = None
+            self._pre_vote_gate()
+            started = time.monotonic()
             super()._onTick(timeToWait)
+            self._note_slow_tick(time.monotonic() - started - timeToWait)
         except OSError as error:
             # The journal could not write (disk full, I/O error): it kept its state as it
             # was (storage/journal.py). This member is in doubt until a write works again;
@@ -183,6 +191,82 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._replica.check_rejoined()
         self._replica.observe_leader()
         self._replica.drive_transfer()
+
+    def _note_slow_tick(self, held_s: float) -> None:
+        """A tick that held the thread for half an election timeout is logged: heartbeats
+        and acknowledgements wait behind it, and on a loaded machine (CPU starved, a slow
+        disk) it is what costs a leader its leadership."""
+        timeout = self._replica.settings.election_timeout_s
+        if held_s < timeout / 2:
+            return
+        self._replica.slow_ticks += 1
+        events = self._slow_tick_log.due()
+        if events is not None:
+            log.warning(
+                "raft tick held its thread group=%d took_ms=%.0f election_timeout_ms=%.0f "
+                "slow_ticks_since_last_line=%d",
+                self._replica.settings.group_id,
+                held_s * 1000,
+                timeout * 1000,
+                events,
+            )
+
+    def _pre_vote_gate(self) -> None:
+        """pysyncobj starts an election in this tick when the election timer ran out: let it
+        only after a pre-vote passed (pre_vote.py), else push the timer and ask."""
+        if self._SyncObj__raftState == _STATE_LEADER or self._SyncObj__selfNode is None:
+            return
+        now = pysyncobj_tcp_connection.monotonicTime()
+        deadline: float = getattr(self, "_SyncObj__raftElectionDeadline")  # noqa: B009 (mypy)
+        if deadline >= now or self._SyncObj__transferInProgress:
+            return  # Not due, or the leader's TimeoutNow asked for this election.
+        term = self.raftCurrentTerm
+        if self._pre_vote.take_pass(term) or not self._SyncObj__connectedToAnyone():
+            return  # Stand now; or pysyncobj waits for a link anyway.
+        retry = self._SyncObj__generateRaftTimeout() * pre_vote.RETRY_FRACTION
+        self._SyncObj__raftElectionDeadline = now + retry
+        if self._pre_vote.start(term, len(self._SyncObj__otherNodes) + 1):
+            self._SyncObj__raftElectionDeadline = 0.0
+            return
+        message = {
+            "type": pre_vote.PRE_VOTE,
+            "term": term + 1,
+            "last_log_index": self._SyncObj__getCurrentLogIndex(),
+            "last_log_term": self._SyncObj__getCurrentLogTerm(),
+        }
+        for node in self._SyncObj__otherNodes:
+            self._SyncObj__transport.send(node, message)
+
+    def _on_pre_vote(self, node: Any, message: dict[str, Any]) -> None:
+        """Another member asks whether this one would vote for it: a grant, or silence."""
+        now = pysyncobj_tcp_connection.monotonicTime()
+        heard = self._leader_heard_at
+        grant = not self._replica.rejoining and pre_vote.should_grant(
+            proposed_term=int(message["term"]),
+            current_term=self.raftCurrentTerm,
+            is_leader=self._SyncObj__raftState == _STATE_LEADER,
+            heard_leader_s_ago=None if heard is None else now - heard,
+            min_timeout_s=self._SyncObj__conf.raftMinTimeout,
+            asker=LogPosition(int(message["last_log_term"]), int(message["last_log_index"])),
+            own=LogPosition(
+                self._SyncObj__getCurrentLogTerm(), self._SyncObj__getCurrentLogIndex()
+            ),
+        )
+        if grant:
+            self._SyncObj__transport.send(
+                node, {"type": pre_vote.PRE_VOTE_GRANTED, "term": int(message["term"])}
+            )
+
+    def _on_pre_vote_granted(self, node: Any, message: dict[str, Any]) -> None:
+        if self._SyncObj__raftState == _STATE_LEADER:
+            return
+        if self._pre_vote.granted(node, int(message["term"]), self.raftCurrentTerm):
+            log.info(
+                "pre-vote passed group=%d term=%d",
+                self._replica.settings.group_id,
+                int(message["term"]),
+            )
+            self._SyncObj__raftElectionDeadline = 0.0  # Stand at the next tick.
 
     def _stay_out_of_leadership(self) -> None:
         """A replica in doubt does not stand for election, and hands leadership away: to the
@@ -274,7 +358,12 @@ def _send_next_node_idx(self: _SyncObj, *args: Any, **kwargs: Any) -> None:
     if kwargs.get("success") and self._replica.in_doubt():
         # A replica in doubt acknowledges nothing: the leader must not count it toward a
         # commit. Its log still takes the entries (applied once it is healthy); the leader's
-        # next heartbeat after that gets a fresh, true acknowledgement.
+        # next heartbeat after that gets a fresh, true acknowledgement. It still answers,
+        # with neither success nor reset (pysyncobj's leader then only notes the answer):
+        # silence made a leader whose other follower was slow step down after its
+        # leaderFallbackTimeout, with no better leader to take over.
+        node = args[0] if args else kwargs["node"]
+        _original_send_next_node_idx(self, node, reset=False, success=False)
         return
     _original_send_next_node_idx(self, *args, **kwargs)
 
@@ -283,6 +372,12 @@ def _on_message_received(self: _SyncObj, node: Any, message: Any) -> Any:
     if not isinstance(message, dict):
         return _original_on_message_received(self, node, message)
     kind = message.get("type")
+    if kind == pre_vote.PRE_VOTE:
+        return self._on_pre_vote(node, message)
+    if kind == pre_vote.PRE_VOTE_GRANTED:
+        return self._on_pre_vote_granted(node, message)
+    if kind == "append_entries" and message.get("term", 0) >= self.raftCurrentTerm:
+        self._leader_heard_at = pysyncobj_tcp_connection.monotonicTime()
     if kind == "append_entries" and "prevLogIdx" not in message:
         message = _snapshot_message_without_commit(self, message)
     if self._replica.rejoining:
@@ -458,6 +553,7 @@ class RaftReplica:
         self.checkpoint_latency = LatencyHistogram(CHECKPOINT_BUCKETS_S)
         self.checkpoint_bytes_last = 0
         self.leader_changes = 0
+        self.slow_ticks = 0  # ticks that held the tick thread for half an election timeout
         self._last_leader: str | None = None
         # Built before the SyncObj, whose tick thread drives it at once: it reads
         # self._sync_obj only while a transfer is under way, and only a request starts one.
@@ -683,6 +779,8 @@ class RaftReplica:
             "journal_syncs": self._sync_obj._journal.syncs,
             "last_log_index": self.last_log_index(),
             "leader_changes": self.leader_changes,
+            "slow_ticks": self.slow_ticks,
+            "pre_votes": self._sync_obj._pre_vote.rounds_total,
             "transfer_target": self.transfer_target(),
             "checkpoint_bytes_last": self.checkpoint_bytes_last,
             "match_index": {

@@ -244,3 +244,36 @@ def test_an_unknown_table_is_table_not_found_on_every_node(
         with pytest.raises(grpc.RpcError) as raised:
             cluster.stub(alias).Publish(request, timeout=10)
         assert dict(raised.value.trailing_metadata())["hastream-error"] == "TableNotFound"
+
+
+def test_a_follower_frozen_past_its_election_timeout_does_not_unseat_the_leader(
+    cluster: LocalCluster,
+) -> None:
+    """Pre-vote: a follower that heard nothing for three election timeouts (SIGSTOP: the
+    same as a tick thread held by a slow disk or a starved CPU) asks before it stands, the
+    other follower still hears the leader and says nothing, and the term stays. Without it
+    the resumed follower raised the term at once and the leader stepped down."""
+    cluster.create_table("steady", SCHEMA, key_column="id")
+    publisher = AckedPublisher(cluster, "steady", SCHEMA)
+    publisher.publish(0, 500)
+    leader = cluster.leader()
+    term = cluster.group_status(leader, 2)["term"]
+    follower = next(alias for alias in cluster.alive() if alias != leader)
+    cluster.signal(follower, signal.SIGSTOP)
+    try:
+        key, frozen_until = 500, time.monotonic() + 3 * cluster.election_timeout_s
+        while time.monotonic() < frozen_until:  # the pair still commits meanwhile
+            publisher.publish(key, 100)
+            key += 100
+    finally:
+        cluster.signal(follower, signal.SIGCONT)
+    wait_until(
+        lambda: cluster.group_status(follower, 2)["pre_votes"] >= 1,
+        timeout_s=30,
+        message="the resumed follower's timer ran out and it asked",
+    )
+    publisher.publish(key, 500)
+    assert_replicas_hold_exactly(cluster, "steady", publisher.acked)
+    assert cluster.leader() == leader
+    for alias in cluster.alive():
+        assert cluster.group_status(alias, 2)["term"] == term, alias
