@@ -101,6 +101,8 @@ class FakeGroup:
             "last_applied": 118,
             "last_log_index": 121,
             "leader_changes": 3,
+            "slow_ticks": 1,
+            "pre_votes": 2,
             "journal_bytes": 65536,
             "log_len": 121,
             "transfer_target": None,
