@@ -372,10 +372,17 @@ def _on_message_received(self: _SyncObj, node: Any, message: Any) -> Any:
     if not isinstance(message, dict):
         return _original_on_message_received(self, node, message)
     kind = message.get("type")
-    if kind == pre_vote.PRE_VOTE:
-        return self._on_pre_vote(node, message)
-    if kind == pre_vote.PRE_VOTE_GRANTED:
-        return self._on_pre_vote_granted(node, message)
+    if kind in (pre_vote.PRE_VOTE, pre_vote.PRE_VOTE_GRANTED):
+        try:
+            if kind == pre_vote.PRE_VOTE:
+                self._on_pre_vote(node, message)
+            else:
+                self._on_pre_vote_granted(node, message)
+        except (KeyError, TypeError, ValueError):
+            # Only an authenticated member can send one: a malformed one is a bug there,
+            # and ignoring it is what a refusal is anyway.
+            log.warning("malformed %s from %s ignored", kind, node)
+        return None
     if kind == "append_entries" and message.get("term", 0) >= self.raftCurrentTerm:
         self._leader_heard_at = pysyncobj_tcp_connection.monotonicTime()
     if kind == "append_entries" and "prevLogIdx" not in message:

@@ -6,7 +6,7 @@ subscriber off it before HTTP/2 keepalive or their own deadlines would.
 
 Each case: publishes resume within 2 s of the new leader's election (unary `append`,
 pipelined `append_async`, and the subscription's rows), then the old leader comes back
-(link up, SIGCONT: it comes back with a higher term, which may force one more election)
+(link up, SIGCONT: with pre-vote it comes back at the term it left, and follows)
 and every node agrees on a leader, and every acknowledged row is on every replica exactly
 once, in publish order; the subscriber saw every row once, in order.
 """

@@ -21,6 +21,8 @@ def _follower(commit_index: int) -> Any:
         _replica=replica,
         _journal=SimpleNamespace(bytes_total=0),
         _SyncObj__raftCommitIndex=commit_index,
+        raftCurrentTerm=0,
+        _leader_heard_at=None,
         _SyncObj__raftNextIndex={},
     )
 
