@@ -1,12 +1,26 @@
-"""raftstore/pre_vote.py: who grants a pre-vote, and when a round passes."""
+"""raftstore/pre_vote.py: who grants a pre-vote, and when a round passes; and how
+replication.py answers pre-vote messages, malformed ones included."""
 
 from __future__ import annotations
+
+import functools
+import logging
+import time
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raftstore.pre_vote import LogPosition, PreVoteRound, should_grant
+from raftstore import replication
+from raftstore.pre_vote import (
+    PRE_VOTE,
+    PRE_VOTE_GRANTED,
+    LogPosition,
+    PreVoteRound,
+    should_grant,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -93,3 +107,64 @@ def test_a_round_passes_exactly_when_distinct_grants_and_self_are_a_majority(
         passed = rounds.granted(node, 2, current_term=1)
     assert passed == (2 * (len(seen) + 1) > members)
     assert rounds.passed_total == int(passed)
+
+
+# --- the adapter's message handling (replication.py), on a stand-in member ------------------
+
+
+def _member(*, heard_leader_at: float | None = None, state: int = 0) -> tuple[Any, list[Any]]:
+    sent: list[Any] = []
+    member = SimpleNamespace(
+        _replica=SimpleNamespace(rejoining=False, in_doubt=lambda: False),
+        _journal=SimpleNamespace(bytes_total=0),
+        raftCurrentTerm=3,
+        _leader_heard_at=heard_leader_at,
+        _pre_vote=PreVoteRound(),
+        _SyncObj__raftState=state,
+        _SyncObj__conf=SimpleNamespace(raftMinTimeout=1.0),
+        _SyncObj__getCurrentLogTerm=lambda: 3,
+        _SyncObj__getCurrentLogIndex=lambda: 10,
+        _SyncObj__transport=SimpleNamespace(send=lambda node, message: sent.append(message)),
+    )
+    member._on_pre_vote = functools.partial(replication._SyncObj._on_pre_vote, member)
+    member._on_pre_vote_granted = functools.partial(
+        replication._SyncObj._on_pre_vote_granted, member
+    )
+    return member, sent
+
+
+def _ask(term: int = 4, index: int = 10) -> dict[str, Any]:
+    return {"type": PRE_VOTE, "term": term, "last_log_term": 3, "last_log_index": index}
+
+
+def test_a_follower_without_a_leader_answers_a_pre_vote_with_a_grant() -> None:
+    member, sent = _member()
+    assert replication._on_message_received(member, "node2", _ask()) is None
+    assert sent == [{"type": PRE_VOTE_GRANTED, "term": 4}]
+
+
+def test_a_follower_that_hears_its_leader_or_a_shorter_log_gets_silence() -> None:
+    member, sent = _member(heard_leader_at=time.monotonic())
+    replication._on_message_received(member, "node2", _ask())
+    member, sent_too = _member()
+    replication._on_message_received(member, "node2", _ask(index=9))
+    assert sent == sent_too == []
+
+
+def test_a_malformed_pre_vote_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    member, sent = _member()
+    with caplog.at_level(logging.WARNING):
+        for garbage in ({"type": PRE_VOTE}, {**_ask(), "term": "x"}, {"type": PRE_VOTE_GRANTED}):
+            assert replication._on_message_received(member, "node2", garbage) is None
+    assert sent == []
+    assert caplog.text.count("malformed") == 3
+
+
+def test_the_grant_that_makes_a_majority_lets_the_member_stand_at_its_next_tick() -> None:
+    member, _ = _member()
+    member._replica.settings = SimpleNamespace(group_id=2)
+    member._SyncObj__raftElectionDeadline = 123.0
+    member._pre_vote.start(current_term=3, members=3)
+    replication._on_message_received(member, "node2", {"type": PRE_VOTE_GRANTED, "term": 4})
+    assert member._SyncObj__raftElectionDeadline == 0.0
+    assert member._pre_vote.take_pass(current_term=3)
