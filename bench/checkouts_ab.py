@@ -91,12 +91,6 @@ def publish(
     return Cell((number - 1) * shape.rows / elapsed, p50, rows=number * shape.rows)
 
 
-def ha_term(cluster: LocalCluster) -> int:
-    return max(
-        int(cluster.group_status(alias, common.HA_GROUP)["term"]) for alias in cluster.alive()
-    )
-
-
 _CHECKPOINT_LINE = re.compile(rf"checkpoint group={common.HA_GROUP} .*took_ms=([0-9.]+)")
 
 
@@ -141,13 +135,13 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
                 clusters[arm].create_table(table, schema, group=common.HA_GROUP)
                 sessions[arm].getStreamingLeader(common.HA_GROUP)
                 pids = list(common.node_pids(clusters[arm]).values())
-                term = ha_term(clusters[arm])
+                term = common.ha_term(clusters[arm])
                 with cpu_meter(pids) as spent:
                     cell = publish(sessions[arm], table, shape, build, seconds)
                 cell = replace(
                     cell,
                     node_cpu_ms_per_10k=spent[0] * 1000 / cell.rows * 10_000,
-                    elections=ha_term(clusters[arm]) - term,
+                    elections=common.ha_term(clusters[arm]) - term,
                 )
                 cells[arm].append(cell)
                 latency = "" if cell.p50_ms is None else f", p50 {cell.p50_ms:.2f} ms"

@@ -168,6 +168,12 @@ def code_version() -> str:
     return commit + ("+dirty" if dirty else "")
 
 
+def ha_term(cluster: LocalCluster) -> int:
+    """The HA group's highest term among the live nodes: its change over a cell counts the
+    elections during it."""
+    return max(int(cluster.group_status(alias, HA_GROUP)["term"]) for alias in cluster.alive())
+
+
 def node_pids(cluster: LocalCluster) -> dict[str, int]:
     pids = {}
     for alias, node in cluster.nodes.items():

@@ -431,10 +431,7 @@ class HastreamSide:
         return HastreamSide(cluster, Session(sites, deadline_s=120), sites, builders, window)
 
     def term(self) -> int:
-        return max(
-            int(self.cluster.group_status(alias, common.HA_GROUP)["term"])
-            for alias in self.cluster.alive()
-        )
+        return common.ha_term(self.cluster)
 
     def settle(self) -> None:
         """Followers apply what was committed before the next cell starts, so a cell's

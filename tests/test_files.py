@@ -13,7 +13,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from hypothesis import assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from deploy.local_cluster import wait_until
 from raftstore.storage.files import (
     FILE_MODE,
     REAL_FILES,
@@ -513,15 +513,6 @@ class _GatedFiles(SimFiles):
             raise self.error
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def _gated() -> _GatedFiles:
     files = _GatedFiles()
     ensure_dir(files, ROOT, root=ROOT)
@@ -572,7 +563,8 @@ def test_a_queued_writeback_keeps_its_file_open_until_it_ran() -> None:
     files.gate.set()
     assert writeback.wait_idle(10)
     assert files.started == [fd]
-    assert wait_for(lambda: files.open_fds == 0)  # Closed once the thread is done with it.
+    # Closed once the thread is done with it.
+    wait_until(lambda: files.open_fds == 0, timeout_s=10, message="the queued fd closed")
 
 
 def test_a_failed_writeback_is_counted_and_logged_and_the_thread_goes_on(
