@@ -39,6 +39,9 @@ RAFT_SOCKET_BUFFER_BYTES: Final = 4 * MIB
 # entry; plus pickling and encryption): a longer declared length drops the link before
 # its bytes are buffered, and a link holding more than two such frames unparsed is dropped.
 RAFT_FRAME_BYTES_MAX: Final = RAFT_APPEND_BATCH_BYTES + ENTRY_BYTES_MAX + MIB
+# A Raft link keeps its receive buffer between frames (peer_frames.Inbox: no fresh buffer
+# per message); one grown past this for a long frame is let go once the frame is parsed.
+RAFT_INBOX_KEEP_BYTES: Final = ENTRY_BYTES_MAX + 8 * MIB
 # Accepted Raft links that have not proven the cluster key yet: at most this many at once,
 # each closed after this long (a peer's handshake takes milliseconds).
 RAFT_UNAUTHENTICATED_MAX: Final = 64

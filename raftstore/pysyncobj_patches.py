@@ -12,10 +12,13 @@ Process-wide (`install`):
 - `syncobj.createJournal` = our fsynced journal (`PysyncobjJournal` over DurableJournal);
 - `syncobj.getEncryptor` = `AesGcmEncryptor` (every peer message encrypted, and
   authenticated before pysyncobj unpickles it);
-- `TcpConnection.send` (drops a link whose unsent bytes pass RAFT_SEND_BUFFER_BYTES_MAX),
-  `TcpConnection.__processConnectionTimeout` (a silent link is dropped only when this node
-  has been talking on it and nothing waits to be read) and `TcpConnection.__processRead`
-  (drops a link declaring a frame longer than RAFT_FRAME_BYTES_MAX before buffering it);
+- `TcpConnection`'s buffers: `send`, `getSendBufferSize`, `__processSend`, `__processRead`
+  and `__processParseMessage` move the same frames through peer_frames.py's Outbox and
+  Inbox (no quadratic copies, no fresh multi-MiB buffer per message); a link whose unsent
+  bytes pass RAFT_SEND_BUFFER_BYTES_MAX, or that declares a frame longer than
+  RAFT_FRAME_BYTES_MAX, is dropped before the bytes are buffered;
+- `TcpConnection.__processConnectionTimeout` (a silent link is dropped only when this node
+  has been talking on it and nothing waits to be read);
 - `TCPTransport._onNewIncomingConnection` and `_onTick` (at most RAFT_UNAUTHENTICATED_MAX
   accepted links wait for their handshake, each at most RAFT_HANDSHAKE_S).
 Per class, in replication.py's `_SyncObj` (listed in `SYNCOBJ_METHODS` for the guard):
@@ -25,11 +28,13 @@ Per class, in replication.py's `_SyncObj` (listed in `SYNCOBJ_METHODS` for the g
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.metadata
 import itertools
 import logging
 import os
+import pickle
 import socket
 import struct
 import zlib
@@ -45,6 +50,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from raftstore import limits
 from raftstore.log_limits import OncePerInterval
+from raftstore.peer_frames import FrameTooLong, Inbox, Outbox
 from raftstore.storage.journal import DurableJournal
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,8 @@ log = logging.getLogger(__name__)
 # The version every patch below was written against (requirements.txt pins it).
 PYSYNCOBJ_VERSION: Final = "0.3.17"
 _AUTH_SALT: Final = b"hastream-raft-peer-aead-v2"
+# Every peer message: pysyncobj's default (2) copies every bytes object again.
+_PICKLE_PROTOCOL: Final = 5
 
 # Private methods of SyncObj that replication.py replaces or calls.
 SYNCOBJ_METHODS: Final = (
@@ -101,6 +109,9 @@ _MODULE_NAMES: Final = (
     (pysyncobj_tcp_connection.TcpConnection, "getSendBufferSize"),
     (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processConnectionTimeout"),
     (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processRead"),
+    (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processSend"),
+    (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processParseMessage"),
+    (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__trySendBuffer"),
     (pysyncobj_transport.TCPTransport, "_onNewIncomingConnection"),
     (pysyncobj_transport.TCPTransport, "_onTick"),
     (pysyncobj_tcp_server.TcpServer, "_TcpServer__onNewConnection"),
@@ -165,21 +176,31 @@ class AesGcmEncryptor:
         self._counter = itertools.count()
         self._opened: tuple[bytes, bytes] | None = None  # (token, plaintext)
 
-    def encrypt_at_time(self, data: bytes, current_time: int) -> bytes:
+    def seal(self, data: bytes, current_time: int) -> tuple[bytes, bytes]:
+        """The token in two pieces, head (timestamp, nonce) and ciphertext with its tag, so
+        that a frame can be sent without joining them (peer_frames.Outbox)."""
         timestamp = self._TIMESTAMP.pack(current_time)
         nonce = self._nonce_prefix + next(self._counter).to_bytes(8, "little")
-        return b"".join((timestamp, nonce, self._aead.encrypt(nonce, data, timestamp)))
+        return timestamp + nonce, self._aead.encrypt(nonce, data, timestamp)
 
-    def extract_timestamp(self, token: bytes) -> int:
+    def open(self, token: bytes | memoryview) -> tuple[int, bytes]:
+        """(timestamp, plaintext) of a token; raises cryptography's InvalidTag on a forged
+        or damaged one, ValueError on one too short to be a token."""
         if len(token) < self._HEAD + self._TAG_BYTES:
             raise ValueError("token too short")
-        timestamp = token[: self._TIMESTAMP.size]
-        nonce = token[self._TIMESTAMP.size : self._HEAD]
-        # Raises cryptography's InvalidTag on a forged or damaged message.
+        timestamp = bytes(token[: self._TIMESTAMP.size])
+        nonce = bytes(token[self._TIMESTAMP.size : self._HEAD])
         plaintext = self._aead.decrypt(nonce, memoryview(token)[self._HEAD :], timestamp)
-        self._opened = (token, plaintext)
         (value,) = self._TIMESTAMP.unpack(timestamp)
-        return int(value)
+        return int(value), plaintext
+
+    def encrypt_at_time(self, data: bytes, current_time: int) -> bytes:
+        return b"".join(self.seal(data, current_time))
+
+    def extract_timestamp(self, token: bytes) -> int:
+        timestamp, plaintext = self.open(token)
+        self._opened = (token, plaintext)
+        return timestamp
 
     def decrypt(self, token: bytes) -> bytes:
         # pysyncobj asks for the timestamp first: decrypt once, hand the plaintext over.
@@ -269,13 +290,16 @@ def install() -> None:
         return
     check_pysyncobj()
     _installed = True
-    setattr(pysyncobj_pickle, "__protocol", 5)
+    setattr(pysyncobj_pickle, "__protocol", _PICKLE_PROTOCOL)
     pysyncobj_tcp_connection.zlib = _NoCompression
     pysyncobj_syncobj.createJournal = _create_journal
     pysyncobj_syncobj.getEncryptor = AesGcmEncryptor
     pysyncobj_syncobj.HAS_CRYPTO = True
     connection = pysyncobj_tcp_connection.TcpConnection
     connection.send = _connection_send
+    connection.getSendBufferSize = _connection_unsent
+    connection._TcpConnection__processSend = _connection_process_send
+    connection._TcpConnection__processParseMessage = _connection_parse
     connection._TcpConnection__processConnectionTimeout = _connection_timeout
     connection._TcpConnection__processRead = _connection_read
     transport = pysyncobj_transport.TCPTransport
@@ -283,11 +307,35 @@ def install() -> None:
     transport._onTick = _transport_tick
 
 
-_original_connection_send = pysyncobj_tcp_connection.TcpConnection.send
+def _outbox(connection: Any) -> Outbox:
+    box = connection._TcpConnection__writeBuffer
+    if type(box) is not Outbox:  # pysyncobj resets it to b"" on connect and disconnect
+        box = connection._TcpConnection__writeBuffer = Outbox()
+    return box
+
+
+def _inbox(connection: Any) -> Inbox:
+    box = connection._TcpConnection__readBuffer
+    if type(box) is not Inbox:  # as _outbox
+        box = connection._TcpConnection__readBuffer = Inbox()
+    return box
 
 
 def _connection_send(self: Any, message: Any) -> None:
-    _original_connection_send(self, message)  # its timeout check sees the previous send
+    # Replaces TcpConnection.send: the same frame (pickled message, encrypted, length first),
+    # queued as its pieces (peer_frames.Outbox) instead of joined and appended to a bytes
+    # buffer. A link whose unsent bytes pass RAFT_SEND_BUFFER_BYTES_MAX is dropped: the
+    # buffer is otherwise unbounded while a peer does not read.
+    if self.sendRandKey:
+        message = (self.sendRandKey, message)
+    data = pickle.dumps(message, protocol=_PICKLE_PROTOCOL)
+    encryptor = self.encryptor
+    if encryptor is None:
+        pieces: tuple[bytes, ...] = (data,)
+    else:
+        pieces = encryptor.seal(data, int(pysyncobj_tcp_connection.monotonicTime()))
+    _outbox(self).add_frame(pieces)
+    self._TcpConnection__trySendBuffer()  # its timeout check sees the previous send
     self._hastream_last_send = pysyncobj_tcp_connection.monotonicTime()
     unsent = self.getSendBufferSize()
     if unsent > limits.RAFT_SEND_BUFFER_BYTES_MAX:
@@ -295,29 +343,80 @@ def _connection_send(self: Any, message: Any) -> None:
         self.disconnect()
 
 
-_original_connection_read = pysyncobj_tcp_connection.TcpConnection._TcpConnection__processRead
-_FRAME_LENGTH: Final = struct.Struct("i")  # pysyncobj's frame header
+def _connection_unsent(self: Any) -> int:
+    # Replaces TcpConnection.getSendBufferSize.
+    return len(self._TcpConnection__writeBuffer)
+
+
+def _connection_process_send(self: Any) -> bool:
+    # Replaces TcpConnection.__processSend (one send of the buffer; True: call again).
+    box = self._TcpConnection__writeBuffer
+    if not box:
+        return False
+    try:
+        sent = _outbox(self).send(self._TcpConnection__socket)
+    except OSError as error:
+        if error.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+            self.disconnect()
+        return False
+    return sent > 0
 
 
 def _connection_read(self: Any) -> bool:
-    # Wraps TcpConnection.__processRead, which appends what one recv() returned to the read
-    # buffer; pysyncobj reads until the socket is drained before it parses (and authenticates)
-    # anything, and it trusts the 4-byte frame length. A sender without the key could make a
-    # node buffer without bound: a declared length past RAFT_FRAME_BYTES_MAX, or more than
-    # two frames' worth unparsed, drops the link.
-    more = bool(_original_connection_read(self))
-    buffer = self._TcpConnection__readBuffer
-    if len(buffer) >= _FRAME_LENGTH.size:
-        (length,) = _FRAME_LENGTH.unpack_from(buffer, 0)
-        if not 0 <= length <= limits.RAFT_FRAME_BYTES_MAX:
-            _log_refused_frame(f"declared frame length {length}")
+    # Replaces TcpConnection.__processRead, which pysyncobj calls until it returns False (the
+    # socket is drained) and then parses what was read: into the link's Inbox. As before,
+    # an end of stream drops what was read and not parsed (a SIGCONTed follower discards
+    # the messages its leader sent before it gave up on the link, and times out). pysyncobj
+    # trusts the 4-byte frame length: a declared length past RAFT_FRAME_BYTES_MAX, or more
+    # than two frames' worth unparsed, drops the link before those bytes are buffered.
+    sock = self._TcpConnection__socket
+    inbox = _inbox(self)
+    try:
+        count = inbox.receive(sock)
+    except FrameTooLong as error:
+        _log_refused_frame(error.detail)
+        self.disconnect()
+        return False
+    except OSError as error:
+        if error.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
             self.disconnect()
-            return False
-        if len(buffer) > 2 * (limits.RAFT_FRAME_BYTES_MAX + _FRAME_LENGTH.size):
-            _log_refused_frame(f"{len(buffer)} bytes unparsed")
-            self.disconnect()
-            return False
-    return more
+        return False
+    if count == 0 or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+        self.disconnect()
+        return False
+    return True
+
+
+def _connection_parse(self: Any) -> Any:
+    # Replaces TcpConnection.__processParseMessage: the next whole frame's message, or None.
+    # As pysyncobj's: authenticated and decrypted (timestamps may not go back), unpickled,
+    # checked for the link's random key; anything wrong drops the link.
+    box = self._TcpConnection__readBuffer
+    if type(box) is not Inbox:
+        return None
+    frame = box.take()
+    if frame is None:
+        return None
+    try:
+        encryptor = self.encryptor
+        if encryptor is None:
+            data: bytes | memoryview = frame
+        else:
+            timestamp, data = encryptor.open(frame)
+            if timestamp < self.recvLastTimestamp:
+                raise ValueError("timestamp went back")
+            self.recvLastTimestamp = timestamp
+        message = pickle.loads(data)
+        if self.recvRandKey:
+            key, message = message
+            if key != self.recvRandKey:
+                raise ValueError("wrong link key")
+    except Exception:
+        self.disconnect()
+        return None
+    finally:
+        frame.release()
+    return message
 
 
 _original_incoming = pysyncobj_transport.TCPTransport._onNewIncomingConnection

@@ -45,3 +45,11 @@ def test_the_payload_does_not_travel_in_the_clear() -> None:
     token = AesGcmEncryptor("secret").encrypt_at_time(secret_rows, 5)
     assert b"account=4711" not in token
     assert len(token) == len(secret_rows) + 8 + 12 + 16
+
+
+def test_sealed_pieces_are_the_token_pysyncobj_would_send() -> None:
+    sender, receiver = AesGcmEncryptor("secret"), AesGcmEncryptor("secret")
+    token = b"".join(sender.seal(b"rows" * 500, 42))
+    assert receiver.extract_timestamp(token) == 42
+    assert receiver.decrypt(token) == b"rows" * 500
+    assert receiver.open(memoryview(sender.encrypt_at_time(b"abc", 43))) == (43, b"abc")
