@@ -24,6 +24,7 @@ submits; futures are completed on the pipeline's driver thread.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from typing import Any, Final
 import pyarrow as pa
 
 from api_clients import batches, row_path
+from api_clients.futures import AppendFuture
 from api_clients.pipeline import PipelineClosed, PublishPipeline
 from api_clients.types import AppendResult
 from hastream import wire
@@ -65,9 +67,11 @@ class _Append:
     schema: pa.Schema
     table: pa.Table | None = None
     rows: Sequence[Sequence[Any]] | None = None
-    future: Future[AppendResult] = field(default_factory=Future)
+    # One object until something waits on it (futures.py): tens of thousands are in flight.
+    future: Future[AppendResult] = field(default_factory=AppendFuture)
     num_rows: int = 0
     nbytes: int = 0
+    start: int = 0  # its first row's place in the request it was merged into
 
     def __post_init__(self) -> None:
         if self.table is not None:
@@ -245,11 +249,28 @@ class Coalescer:
             failed.set_exception(error)
             chunk_futures.append(failed)
             chunk_starts.append(start)
+        if len(batch) == 1:
+            segments = _segments(0, batch[0].num_rows, chunk_starts)
+            _settle_when_done(batch[0].future, segments, chunk_futures, whole=True)
+            return
+        # Merged appends: those that lie in one request are settled together, by one
+        # callback on it (one per append cost more than the row did to send).
+        within: dict[int, list[_Append]] = {}
         first = 0
         for append in batch:
-            segments = _segments(first, append.num_rows, chunk_starts)
-            _settle_when_done(append.future, segments, chunk_futures, whole=len(batch) == 1)
+            if len(chunk_starts) == 1:  # one request holds them all
+                append.start = first
+                within.setdefault(0, []).append(append)
+            else:
+                segments = _segments(first, append.num_rows, chunk_starts)
+                if len(segments) == 1:
+                    append.start = segments[0].start
+                    within.setdefault(segments[0].chunk, []).append(append)
+                else:
+                    _settle_when_done(append.future, segments, chunk_futures, whole=False)
             first += append.num_rows
+        for index, appends in within.items():
+            chunk_futures[index].add_done_callback(functools.partial(_settle_merged, appends))
 
 
 def _converted(batch: list[_Append], table: str) -> tuple[list[_Append], list[pa.Table]]:
@@ -281,6 +302,8 @@ def _converted_run(run: list[_Append], table: str) -> tuple[list[_Append], list[
     except _CONVERSION_ERRORS:
         alone = [converted for append in run if (converted := _converted_alone(append, table))]
         return alone, [append.table for append in alone if append.table is not None]
+    for append in run:
+        append.rows = None  # converted: the caller's rows need not live until the answer
     return run, [rows]
 
 
@@ -338,6 +361,19 @@ def _settle_when_done(
 
     for segment in segments:
         chunk_futures[segment.chunk].add_done_callback(done)
+
+
+def _settle_merged(appends: list[_Append], request: Future[AppendResult]) -> None:
+    """Complete the futures of `appends`, which all lie in the one request `request`
+    answered: its error, or each one's part of its offsets."""
+    error = request.exception()
+    if error is not None:
+        for append in appends:
+            append.future.set_exception(error)
+        return
+    result = request.result()
+    for append in appends:
+        append.future.set_result(_part(result, _Segment(0, append.start, append.num_rows)))
 
 
 def _part(result: AppendResult, segment: _Segment) -> AppendResult:
