@@ -35,7 +35,7 @@ from hastream.errors import CorruptionError
 from raftstore.storage import checkpoint, group_checkpoint
 from raftstore.storage.files import REAL_FILES, ensure_dir
 from raftstore.storage.format import FormatError
-from raftstore.storage.journal import META_KIND, DurableJournal
+from raftstore.storage.journal import META_KIND, DurableJournal, segment_paths
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def _raft_state_problem(directory: Path) -> str | None:
         synced = int(meta.get("synced_last_index", 0))
         if checkpoint_path.exists():
             group_checkpoint.decode(checkpoint.read_checked(checkpoint_path, group_checkpoint.KIND))
-        elif synced > 0 and not (directory / "raft.journal").exists():
+        elif synced > 0 and not segment_paths(directory):
             return f"its Raft log is gone (entries up to {synced} were synced)"
         journal = DurableJournal(directory)
         empty = len(journal) == 0

@@ -118,6 +118,9 @@ RAFT_LOG_BYTES_MAX: Final = 256 * MIB
 # A follower applies behind what it receives: at 48 MiB, pipelined 10,000-row publishing
 # had followers read back about half of their entries for the apply; at 96 MiB none.
 RAFT_LOG_RESIDENT_BYTES: Final = 4 * ENTRY_BYTES_MAX
+# The Raft log is kept in segment files of about this size (storage/journal.py): after a
+# checkpoint the segments wholly before the log's new start are removed, nothing is copied.
+RAFT_JOURNAL_SEGMENT_BYTES: Final = 64 * MIB
 
 assert ENTRY_BYTES_MAX >= BATCH_BYTES_MAX + MIB, "one batch plus framing must fit an entry"
 assert RAFT_APPEND_BATCH_BYTES >= 2 * ENTRY_BYTES_MAX, "avoid pysyncobj's chunked-send bug"

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.storage
 
 SIM_DIR = Path("/node/group-1")
 RESIDENT = 64  # bytes: a few commands, so most reads go to the file
+SEGMENT = 150  # bytes: a new segment every few entries
 
 
 def pysyncobj_get_entries(
@@ -39,10 +40,16 @@ class JournalAgainstAList(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.sim = SimFiles()
-        self.journal = DurableJournal(SIM_DIR, files=self.sim, resident_bytes_max=RESIDENT)
+        self.journal = self._open()
         self.model: list[Entry] = []
+        self.synced = 0  # the model's first entries known to be on disk
         self.next_idx = 1
         self.term = 1
+
+    def _open(self) -> DurableJournal:
+        return DurableJournal(
+            SIM_DIR, files=self.sim, resident_bytes_max=RESIDENT, segment_bytes_max=SEGMENT
+        )
 
     @rule(size=st.integers(0, 40), data=st.data())
     def append(self, size: int, data: st.DataObject) -> None:
@@ -54,6 +61,7 @@ class JournalAgainstAList(RuleBasedStateMachine):
     @rule()
     def sync(self) -> None:
         self.journal.sync()
+        self.synced = len(self.model)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -61,6 +69,7 @@ class JournalAgainstAList(RuleBasedStateMachine):
         count = data.draw(st.integers(0, len(self.model)))
         self.journal.truncate_from(count)
         del self.model[count:]
+        self.synced = min(self.synced, count)
         self.term += 1  # a new leader overwrites the rest
         self.next_idx = self.model[-1][1] + 1 if self.model else self.next_idx
 
@@ -70,11 +79,27 @@ class JournalAgainstAList(RuleBasedStateMachine):
         count = data.draw(st.integers(1, len(self.model)))
         self.journal.drop_first(count)
         del self.model[:count]
+        self.synced = max(0, self.synced - count)
 
     @rule()
     def restart(self) -> None:
-        """kill -9 and start again: the file is all there is."""
-        self.journal = DurableJournal(SIM_DIR, files=self.sim, resident_bytes_max=RESIDENT)
+        """kill -9 and start again: the files are all there is (and opening syncs them)."""
+        self.journal = self._open()
+        self.synced = len(self.model)
+
+    @rule()
+    def power_loss(self) -> None:
+        """What was synced is there, from where the log was last cut; what was not may be
+        lost (and an unsynced cut of the tail undone)."""
+        self.sim.crash()
+        self.journal = self._open()
+        recovered = self.journal[:]
+        assert recovered[: self.synced] == self.model[: self.synced]
+        self.model = recovered
+        self.synced = len(self.model)
+        if self.model:
+            self.next_idx = self.model[-1][1] + 1
+            self.term = max(self.term, self.model[-1][2])
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -100,6 +125,10 @@ class JournalAgainstAList(RuleBasedStateMachine):
         assert self.journal.resident_bytes <= RESIDENT + last
         for i, entry in enumerate(self.model):
             assert self.journal.index_at(i) == entry[1]
+        # Segments wholly before the log's start are gone: only the first holds dead
+        # records, and every one between the first and the newest was full when it rolled.
+        live_bytes = sum(len(entry[0]) + 24 for entry in self.model)
+        assert self.journal.segment_count <= 2 + live_bytes // (SEGMENT - 8)
 
 
 TestJournalAgainstAList = JournalAgainstAList.TestCase

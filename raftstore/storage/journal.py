@@ -1,4 +1,4 @@
-"""The Raft log on disk: checksummed, fsynced, torn-tail safe.
+"""The Raft log on disk: checksummed, fsynced, torn-tail safe, in segment files.
 
 pysyncobj's own FileJournal never fsyncs, has no checksum and a 32-bit offset (see
 docs/durability.md). This class speaks our names (append, truncate_from, drop_first,
@@ -7,11 +7,22 @@ journal interface (`_PysyncobjJournal`), and the local replica uses it as it is.
 imports pysyncobj. Every file operation goes
 through the `files` interface (storage/files.py), the real file system by default.
 
-Layout of `<dir>/raft.journal`:
+Layout: segment files `<dir>/raft.journal` (segment 0, the name of the single file older
+versions wrote) and `<dir>/raft.journal.<n>` (segment n), each
 
     file header:  magic "HSRJ" (4) | version u8 | reserved (3)
     record:       crc32 u32 | command_len u32 | idx u64 | term u64 | command bytes
                   crc32 covers command_len, idx, term and the command
+
+Records are appended to the newest segment; once it holds `segment_bytes_max`
+(RAFT_JOURNAL_SEGMENT_BYTES) the next record starts a new one (the full one is fdatasynced
+first, so only the newest segment can end in a torn write). Entries run on from segment to
+segment, their indexes contiguous. Dropping the first entries after a checkpoint
+(`drop_first`) stores where the log now starts, `journal_start` = [segment, position] in
+raft.meta, and removes the segments wholly before it: no byte is copied (a checkpoint of
+the single file rewrote every kept entry, which on a follower that applies behind what it
+receives was most of the log, on the Raft thread). Segments before `journal_start` that a
+crash left behind are removed at the next open.
 
 `add()` only writes (page cache); `sync()` makes everything written so far durable with one
 fdatasync. The replication adapter calls `sync()` before a follower acknowledges entries and
@@ -29,16 +40,17 @@ Environment errors (ENOSPC, EIO) fail a call cleanly: see `DurableJournal`.
 Memory: the journal holds the commands of its newest entries, up to
 RAFT_LOG_RESIDENT_BYTES, and of its first two (pysyncobj reads the first entry's index on
 every send, and the first two are a checkpoint's trailer); an older command is read back
-from the file, CRC-checked, when asked for (a follower that fell behind, a restart's
+from its segment, CRC-checked, when asked for (a follower that fell behind, a restart's
 replay). The log may hold up to RAFT_LOG_BYTES_MAX between checkpoints without the node
 holding it all in RAM.
 
-Recovery: opening fsyncs the file and the directory (a run killed before its fdatasync left
-entries in the page cache only; they are durable before a follower acknowledges them). A
-record that is incomplete or fails its CRC at the very end of the file is a torn
+Recovery: opening fsyncs the segments and the directory (a run killed before its fdatasync
+left entries in the page cache only; they are durable before a follower acknowledges them).
+A record that is incomplete or fails its CRC at the very end of the newest segment is a torn
 write (it was never acknowledged, because acknowledgement waits for fdatasync): it is
-truncated with a WARNING. A failing record followed by more data is corruption: the node
-refuses to start (CorruptionError) rather than forget acknowledged entries. So is a failing
+truncated with a WARNING. A failing record followed by more data, or anywhere in an older
+segment, is corruption: the node refuses to start (CorruptionError) rather than forget
+acknowledged entries. So is a failing
 record whose index `raft.meta` says was fdatasynced (`synced_last_index`, stored with the
 commit index at most once per second, and at once when the log is cut below it): a damaged
 length field can make an old record look like a torn tail, and a node that dropped entries
@@ -47,12 +59,14 @@ it acknowledged could vote a candidate missing committed entries into office.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import logging
 import os
 import struct
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -70,10 +84,10 @@ _RECORD_HEADER: Final = struct.Struct("<IIQQ")  # crc32, command_len, idx, term
 _CRC_COVERED: Final = struct.Struct("<IQQ")  # command_len, idx, term
 META_KIND: Final = b"META"
 COMMAND_BYTES_MAX: Final = 1 << 31
+SEGMENT_NAME: Final = "raft.journal"  # segment 0; segment n is "raft.journal.<n>"
 # The first entries, always held in memory (pysyncobj reads log[0] and log[1] often).
 _PINNED: Final = 2
-# Bytes copied per read when a checkpoint rewrites the journal's tail into a new file.
-_COPY_CHUNK_BYTES: Final = 8 * limits.MIB
+_OPEN_FLAGS: Final = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
 
 Entry = tuple[bytes, int, int]  # (command, idx, term): pysyncobj's journal entry shape
 
@@ -84,11 +98,59 @@ def _encode_record(command: bytes, idx: int, term: int) -> tuple[bytes, bytes]:
     return struct.pack("<I", crc) + covered, command
 
 
+def segment_path(directory: Path, seq: int) -> Path:
+    return directory / (SEGMENT_NAME if seq == 0 else f"{SEGMENT_NAME}.{seq}")
+
+
+def segment_seq(name: str) -> int | None:
+    """The segment number a file name stands for, or None (not a segment)."""
+    if name == SEGMENT_NAME:
+        return 0
+    prefix, _, number = name.partition(f"{SEGMENT_NAME}.")
+    if prefix or not number.isdigit() or number.startswith("0"):
+        return None
+    return int(number)
+
+
+def segment_paths(directory: Path, files: Files = REAL_FILES) -> list[Path]:
+    """The journal's segment files in `directory`, oldest first (empty: no journal)."""
+    if not files.exists(directory):
+        return []
+    seqs = sorted(
+        seq for name in files.listdir(directory) if (seq := segment_seq(name)) is not None
+    )
+    return [segment_path(directory, seq) for seq in seqs]
+
+
+def live_segments(directory: Path, files: Files = REAL_FILES) -> list[tuple[Path, int]]:
+    """Each segment file that holds the log, with the position its first live record is at
+    (an inspection for tools and fault tests; the node never calls it)."""
+    start_seq, start_position = 0, _FILE_HEADER.size
+    with contextlib.suppress(FileNotFoundError):
+        meta = json.loads(checkpoint.read_checked(directory / "raft.meta", META_KIND, files=files))
+        start_seq, start_position = meta.get("journal_start", [start_seq, start_position])
+    live = []
+    for path in segment_paths(directory, files):
+        seq = segment_seq(path.name)
+        assert seq is not None
+        if seq >= start_seq:
+            live.append((path, start_position if seq == start_seq else _FILE_HEADER.size))
+    return live
+
+
+@dataclass(slots=True)
+class _Segment:
+    seq: int
+    path: Path
+    fd: int
+    end: int  # file size: where the next record goes (the fd is O_APPEND)
+
+
 class DurableJournal:
     """The Raft log of one group on one node. Runs on pysyncobj's tick thread only.
 
     Environment errors (a full disk, EIO) fail cleanly: a write method that raises OSError
-    leaves the file and the entries in memory as they were before the call (a partial
+    leaves the files and the entries in memory as they were before the call (a partial
     write is cut off with ftruncate). Two failures refuse every later write with
     CorruptionError (`failed`): a partial write that cannot be cut off, and a failed
     fdatasync, because Linux marks the pages clean after a writeback error, so a retried
@@ -102,20 +164,26 @@ class DurableJournal:
         *,
         files: Files = REAL_FILES,
         resident_bytes_max: int = limits.RAFT_LOG_RESIDENT_BYTES,
+        segment_bytes_max: int = limits.RAFT_JOURNAL_SEGMENT_BYTES,
     ) -> None:
         self._files = files
         self._resident_bytes_max = resident_bytes_max
+        self._segment_bytes_max = segment_bytes_max
         ensure_dir(files, directory, root=directory)
         self._directory = directory
-        self._path = directory / "raft.journal"
         self._meta_path = directory / "raft.meta"
-        # Entry i is (command, index, term) at file position `_positions[i]`; its command
-        # is None when it was dropped from memory (read back from the file on demand).
+        # Entry i is (command, index, term) in segment `_seqs[i]` at file position
+        # `_positions[i]`; its command is None when it was dropped from memory (read back
+        # from the file on demand).
         self._commands: list[bytes | None] = []
         self._indexes: list[int] = []
         self._terms: list[int] = []
-        self._positions: list[int] = []  # file position of each entry's record
-        self._end = 0  # file size: where the next record goes (the fd is O_APPEND)
+        self._seqs: list[int] = []
+        self._positions: list[int] = []
+        self._segments: list[_Segment] = []  # oldest first; records go to the last
+        self._by_seq: dict[int, _Segment] = {}
+        self._next_seq = 0
+        self._bytes_total = 0  # command bytes of the entries
         # Commands [_PINNED, _evict_upto) are out of memory; [_evict_upto, len) are held
         # and add up to _resident_bytes (the pinned first two are not counted).
         self._evict_upto = _PINNED
@@ -124,7 +192,12 @@ class DurableJournal:
         self._failed: CorruptionError | None = None
         self._meta: dict[str, Any] = self._load_meta()
         self._meta_dirty = False
-        self._fd = self._open_and_recover()
+        try:
+            self._open_and_recover()
+        except BaseException:
+            for segment in self._segments:
+                self._files.close(segment.fd)
+            raise
         self.syncs = 0  # fdatasync calls, for stats
 
     # --- recovery -------------------------------------------------------------------
@@ -143,70 +216,125 @@ class DurableJournal:
         for key in ("term", "commit_index", "synced_last_index"):
             if key in meta and type(meta[key]) is not int:
                 raise CorruptionError(str(self._meta_path), 0, f"{key} is {meta[key]!r}")
+        start = meta.get("journal_start", [0, _FILE_HEADER.size])
+        if (
+            type(start) is not list
+            or len(start) != 2
+            or not all(type(value) is int for value in start)
+            or start[0] < 0
+            or start[1] < _FILE_HEADER.size
+        ):
+            raise CorruptionError(str(self._meta_path), 0, f"journal_start is {start!r}")
         return meta
 
-    def _open_and_recover(self) -> int:
-        flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-        fd = self._files.open(self._path, flags, FILE_MODE)
-        try:
-            self._end = self._files.size(fd)
-            if self._end == 0:
-                self._write_file_header(fd)
-            else:
-                self._recover(fd)
-        except BaseException:
-            self._files.close(fd)
-            raise
-        return fd
+    def _open_and_recover(self) -> None:
+        start_seq, start_position = self._meta.get("journal_start", [0, _FILE_HEADER.size])
+        # A compaction of older versions may have left its copy behind.
+        with contextlib.suppress(FileNotFoundError):
+            self._files.unlink(self._directory / f"{SEGMENT_NAME}.tmp")
+        seqs = [segment_seq(path.name) for path in segment_paths(self._directory, self._files)]
+        found = sorted(seq for seq in seqs if seq is not None)
+        stale = [seq for seq in found if seq < start_seq]
+        for seq in stale:  # before the log's start: a crash came between the two steps
+            self._files.unlink(segment_path(self._directory, seq))
+        if stale:
+            self._files.fsync_dir(self._directory)
+        live = [seq for seq in found if seq >= start_seq]
+        if live and live[0] != start_seq:
+            raise CorruptionError(
+                str(segment_path(self._directory, start_seq)),
+                0,
+                f"journal segment {start_seq}, where raft.meta says the log starts, is missing",
+            )
+        if not live:  # a new journal (or one whose files are gone: identity.py tells)
+            self._next_seq = start_seq
+            self._new_segment()
+            if start_position != _FILE_HEADER.size:
+                self._store_meta({"journal_start": [start_seq, _FILE_HEADER.size]})
+            return
+        for number, seq in enumerate(live):
+            path = segment_path(self._directory, seq)
+            fd = self._files.open(path, _OPEN_FLAGS, FILE_MODE)
+            segment = _Segment(seq, path, fd, 0)
+            self._segments.append(segment)
+            self._by_seq[seq] = segment
+            last = number == len(live) - 1
+            self._recover_segment(segment, start_position if number == 0 else None, last=last)
+        self._next_seq = live[-1] + 1
+        # A run killed before its fdatasync leaves entries in the page cache: durable before
+        # anyone relies on them (a follower would acknowledge them). Also the directory: a
+        # run killed between a rename (raft.meta) or a new segment and the directory's fsync.
+        for segment in self._segments:
+            self._files.fsync(segment.fd)
+        self._files.fsync_dir(self._directory)
 
-    def _write_file_header(self, fd: int) -> None:
-        """A new journal: its header, durable with its name. A failure leaves an empty file
-        (which the next open treats as new), never a header cut short."""
+    def _new_segment(self) -> None:
+        """Start segment `_next_seq` (header written and durable with its name) as the one
+        records go to. A failure leaves no such segment (nor a header cut short)."""
+        seq = self._next_seq
+        path = segment_path(self._directory, seq)
+        fd = self._files.open(path, _OPEN_FLAGS | os.O_TRUNC, FILE_MODE)
         try:
             write_all(self._files, fd, [_FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION)])
             self._files.fsync(fd)
             self._files.fsync_dir(self._directory)
-        except OSError:
+        except BaseException:
+            self._files.close(fd)
             with contextlib.suppress(OSError):
-                self._files.ftruncate(fd, 0)
+                self._files.unlink(path)
             raise
-        self._end = _FILE_HEADER.size
+        segment = _Segment(seq, path, fd, _FILE_HEADER.size)
+        self._segments.append(segment)
+        self._by_seq[seq] = segment
+        self._next_seq = seq + 1
 
-    def _recover(self, fd: int) -> None:
-        data = read_all(self._files, fd)
+    def _recover_segment(self, segment: _Segment, start: int | None, *, last: bool) -> None:
+        """Load the records of `segment` from `start` (None: after its header). Only the
+        last segment may end in a torn write; an empty file there is a segment whose creation
+        a crash interrupted (it gets its header)."""
+        data = read_all(self._files, segment.fd)
+        if not data and last and start in (None, _FILE_HEADER.size):
+            write_all(self._files, segment.fd, [_FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION)])
+            segment.end = _FILE_HEADER.size
+            return
         if len(data) < _FILE_HEADER.size:
             raise CorruptionError(
-                str(self._path), 0, f"journal of {len(data)} bytes is shorter than its header"
+                str(segment.path), 0, f"journal of {len(data)} bytes is shorter than its header"
             )
         magic, version = _FILE_HEADER.unpack_from(data, 0)
         if magic != FILE_MAGIC or version != FILE_VERSION:
-            raise CorruptionError(str(self._path), 0, f"bad journal header {magic!r} v{version}")
-        end = self._scan(data)
+            raise CorruptionError(str(segment.path), 0, f"bad journal header {magic!r} v{version}")
+        position = _FILE_HEADER.size if start is None else start
+        if position > len(data):
+            raise CorruptionError(
+                str(segment.path),
+                position,
+                f"raft.meta says the log starts at {position}, past the end ({len(data)})",
+            )
+        end = self._scan(segment, data, position, last=last)
         if end < len(data):
-            self._files.ftruncate(fd, end)
-        # A run killed before its fdatasync leaves entries in the page cache: durable before
-        # anyone relies on them (a follower would acknowledge them). Also the directory: a
-        # run killed between a rename (compaction, raft.meta) and the directory's fsync.
-        self._files.fsync(fd)
-        self._files.fsync_dir(self._directory)
-        self._end = end
+            self._files.ftruncate(segment.fd, end)
+        segment.end = end
 
-    def _scan(self, data: bytes) -> int:
-        """Load every valid record; return where valid data ends (torn tail cut there)."""
-        position = _FILE_HEADER.size
+    def _scan(self, segment: _Segment, data: bytes, position: int, *, last: bool) -> int:
+        """Load every valid record from `position`; return where valid data ends (a torn
+        tail of the last segment is cut there)."""
         view = memoryview(data)
         while position < len(data):
-            problem = self._check_record(view, position)
+            problem = self._check_record(segment, view, position)
             if problem is not None:
-                self._torn_or_corrupt(view, position, problem)
+                if not last:
+                    raise CorruptionError(str(segment.path), position, problem)
+                self._torn_or_corrupt(segment, view, position, problem)
                 return position
             _, length, idx, term = _RECORD_HEADER.unpack_from(view, position)
             start = position + _RECORD_HEADER.size
-            self._append_entry(bytes(view[start : start + length]), idx, term, position)
+            command = bytes(view[start : start + length])
+            self._append_entry(command, idx, term, segment.seq, position)
             position = start + length
         return position
 
-    def _check_record(self, view: memoryview, position: int) -> str | None:
+    def _check_record(self, segment: _Segment, view: memoryview, position: int) -> str | None:
         if position + _RECORD_HEADER.size > len(view):
             return "incomplete record header"
         crc, length, idx, _ = _RECORD_HEADER.unpack_from(view, position)
@@ -219,18 +347,20 @@ class DurableJournal:
         if self._indexes and idx != self._indexes[-1] + 1:
             # A valid record that breaks the index chain is never a torn write.
             raise CorruptionError(
-                str(self._path), position, f"index {idx} does not follow {self._indexes[-1]}"
+                str(segment.path), position, f"index {idx} does not follow {self._indexes[-1]}"
             )
         return None
 
-    def _torn_or_corrupt(self, view: memoryview, position: int, problem: str) -> None:
+    def _torn_or_corrupt(
+        self, segment: _Segment, view: memoryview, position: int, problem: str
+    ) -> None:
         """A torn write is the last thing in the file: the failing record reaches the end of
         the file, or only zero bytes follow it, and it was never fdatasynced. Anything else is
         corruption."""
         synced_last = int(self._meta.get("synced_last_index", 0))
         if self._indexes and self._indexes[-1] + 1 <= synced_last:
             raise CorruptionError(
-                str(self._path),
+                str(segment.path),
                 position,
                 f"{problem}; entry {self._indexes[-1] + 1} was fdatasynced "
                 f"(synced_last_index {synced_last} in raft.meta), so this is no torn write",
@@ -240,19 +370,21 @@ class DurableJournal:
             _, length, _, _ = _RECORD_HEADER.unpack_from(view, position)
         record_end = position + _RECORD_HEADER.size + length
         if record_end < len(view) and any(view[record_end:]):
-            raise CorruptionError(str(self._path), position, problem)
+            raise CorruptionError(str(segment.path), position, problem)
         log.warning(
             "truncated torn journal tail path=%s position=%d detail=%s",
-            self._path,
+            segment.path,
             position,
             problem,
         )
 
-    def _append_entry(self, command: bytes, idx: int, term: int, position: int) -> None:
+    def _append_entry(self, command: bytes, idx: int, term: int, seq: int, position: int) -> None:
         self._commands.append(command)
         self._indexes.append(idx)
         self._terms.append(term)
+        self._seqs.append(seq)
         self._positions.append(position)
+        self._bytes_total += len(command)
         if len(self._commands) > self._evict_upto:
             self._resident_bytes += len(command)
             self._evict()
@@ -279,20 +411,30 @@ class DurableJournal:
         assert len(command) < COMMAND_BYTES_MAX
         if self._indexes:
             assert idx == self._indexes[-1] + 1, f"journal gap: {idx} after {self._indexes[-1]}"
-        position = self._end
+        segment = self._segments[-1]
+        if segment.end >= self._segment_bytes_max and self._seqs and self._seqs[-1] == segment.seq:
+            self._roll()
+            segment = self._segments[-1]
+        position = segment.end
         started = trace.clock()
         header, body = _encode_record(command, idx, term)
         try:
-            write_all(self._files, self._fd, [header, body])
+            write_all(self._files, segment.fd, [header, body])
         except OSError as error:
-            self._cut_back(position, error)
+            self._cut_back(segment, position, error)
             raise
-        self._end = position + len(header) + len(body)
-        self._append_entry(command, idx, term, position)
+        segment.end = position + len(header) + len(body)
+        self._append_entry(command, idx, term, segment.seq, position)
         self._dirty = True
         tracer = trace.current()
         if tracer.on:
             tracer.journal_added(command, idx, started, trace.clock())
+
+    def _roll(self) -> None:
+        """Records go to a new segment from now on. The full one is made durable first, so
+        that only the newest segment can ever end in a torn write."""
+        self._sync_newest()
+        self._new_segment()
 
     def truncate_from(self, count: int) -> None:
         """Keep only the first `count` entries (a leader overwrote the rest)."""
@@ -301,77 +443,86 @@ class DurableJournal:
 
     def drop_first(self, entry_to: int) -> None:
         """Drop the first `entry_to` entries, or all if there are fewer (after a checkpoint):
-        copy the records after them into a new file, fsync it, rename it over the old one,
-        fsync the directory.
+        raft.meta durably names where the log now starts, then the segments wholly before
+        it are removed.
 
-        Raises OSError from the disk. Up to the rename nothing has changed (the new file is
-        removed). If the directory fsync after the rename fails, the new file is in place and
-        adopted (entries in memory match it), but the rename may not be durable: after a
-        power loss the old journal may come back, which is as valid (it holds more entries
-        from before the checkpoint)."""
+        Raises OSError from the disk (the fdatasync, or raft.meta not written) with nothing
+        dropped. Removing the old segments can fail after that without an error: they are
+        garbage, removed at the next drop or open."""
         self._check_writable()
         if entry_to <= 0:
             return
         entry_to = min(entry_to, len(self._indexes))
-        # The new first two entries stay in memory (pinned); read before the old file goes.
+        # The start stored below must be within what is on disk, whatever a power loss
+        # keeps: entries up to a checkpoint are applied, but a follower applies what its
+        # leader committed before its own fdatasync.
+        self.sync()
+        if entry_to < len(self._indexes):
+            start = [self._seqs[entry_to], self._positions[entry_to]]
+        else:
+            newest = self._segments[-1]
+            start = [newest.seq, newest.end]
+        # The new first two stay in memory (pinned): read before anything changes.
         pinned = {i: self._command(i) for i in range(entry_to, min(entry_to + _PINNED, len(self)))}
-        copy_from = self._positions[entry_to] if entry_to < len(self) else self._end
-        tmp = self._path.with_suffix(".journal.tmp")
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
-        fd = self._files.open(tmp, flags, FILE_MODE)
-        try:
-            write_all(self._files, fd, [_FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION)])
-            self._copy_tail(fd, copy_from)
-            self._files.fsync(fd)
-            self._files.replace(tmp, self._path)
-        except BaseException:
-            self._files.close(fd)
-            with contextlib.suppress(OSError):
-                self._files.unlink(tmp)
-            raise
-        old_fd, self._fd = self._fd, fd
-        shift = copy_from - _FILE_HEADER.size
+        self._store_meta({"journal_start": start})
+        self._bytes_total -= sum(self._length(i) for i in range(entry_to))
         self._commands = self._commands[entry_to:]
         for i, command in pinned.items():
             self._commands[i - entry_to] = command
         del self._indexes[:entry_to]
         del self._terms[:entry_to]
-        self._positions = [position - shift for position in self._positions[entry_to:]]
-        self._end -= shift
+        del self._seqs[:entry_to]
+        del self._positions[:entry_to]
         self._evict_upto = max(_PINNED, self._evict_upto - entry_to)
         self._resident_bytes = sum(
             len(command) for command in self._commands[self._evict_upto :] if command is not None
         )
-        self._dirty = False
-        try:
-            self._files.fsync_dir(self._directory)
-        finally:
-            self._files.close(old_fd)
+        self._remove_segments_before(start[0])
 
-    def _copy_tail(self, fd: int, position: int) -> None:
-        """Append this journal's records from `position` on to the file `fd`, as bytes (the
-        records carry no file positions, so they read the same in the new file)."""
-        while position < self._end:
-            chunk = self._files.pread(
-                self._fd, min(_COPY_CHUNK_BYTES, self._end - position), position
+    def _remove_segments_before(self, seq: int) -> None:
+        gone = [segment for segment in self._segments if segment.seq < seq]
+        if not gone:
+            return
+        self._segments = [segment for segment in self._segments if segment.seq >= seq]
+        for segment in gone:
+            del self._by_seq[segment.seq]
+            with contextlib.suppress(OSError):
+                self._files.close(segment.fd)
+        try:
+            for segment in gone:
+                with contextlib.suppress(FileNotFoundError):
+                    self._files.unlink(segment.path)
+            self._files.fsync_dir(self._directory)
+        except OSError as error:
+            log.warning(
+                "journal segments before the log's start not removed yet dir=%s: %s",
+                self._directory,
+                error,
             )
-            if not chunk:
-                raise CorruptionError(str(self._path), position, "journal shorter than its index")
-            write_all(self._files, fd, [chunk])
-            position += len(chunk)
 
     def _command(self, i: int) -> bytes:
         command = self._commands[i]
         return command if command is not None else self._read_back(i, i + 1)[0]
 
     def _read_back(self, first: int, stop: int) -> list[bytes]:
-        """The commands of entries [first, stop) from the file, each checked against its
-        CRC, index and term (a mismatch is corruption: the file changed under the node)."""
+        """The commands of entries [first, stop) from their segments, each checked against
+        its CRC, index and term (a mismatch is corruption: the file changed under the
+        node)."""
+        commands: list[bytes] = []
+        i = first
+        while i < stop:
+            seq = self._seqs[i]
+            run_stop = min(stop, bisect.bisect_right(self._seqs, seq, i))
+            commands += self._read_run(self._by_seq[seq], i, run_stop)
+            i = run_stop
+        return commands
+
+    def _read_run(self, segment: _Segment, first: int, stop: int) -> list[bytes]:
         start = self._positions[first]
-        end = self._positions[stop] if stop < len(self._positions) else self._end
-        data = self._files.pread(self._fd, end - start, start)
+        end = self._record_end(stop - 1)
+        data = self._files.pread(segment.fd, end - start, start)
         if len(data) != end - start:
-            raise CorruptionError(str(self._path), start, "journal shorter than its index")
+            raise CorruptionError(str(segment.path), start, "journal shorter than its index")
         view = memoryview(data)
         commands: list[bytes] = []
         offset = 0
@@ -381,7 +532,7 @@ class DurableJournal:
             computed = zlib.crc32(view[body : body + length], zlib.crc32(view[offset + 4 : body]))
             if (crc, idx, term) != (computed, self._indexes[i], self._terms[i]):
                 raise CorruptionError(
-                    str(self._path),
+                    str(segment.path),
                     start + offset,
                     f"record read back is not entry {self._indexes[i]} (term {self._terms[i]}): "
                     f"index {idx}, term {term}, crc stored={crc:#x} computed={computed:#x}",
@@ -419,10 +570,16 @@ class DurableJournal:
             )
         ]
 
+    def _record_end(self, i: int) -> int:
+        """Where entry i's record ends in its segment."""
+        following = i + 1
+        if following < len(self._positions) and self._seqs[following] == self._seqs[i]:
+            return self._positions[following]
+        return self._by_seq[self._seqs[i]].end
+
     def _length(self, i: int) -> int:
         """Command bytes of entry i (from the record positions)."""
-        end = self._positions[i + 1] if i + 1 < len(self._positions) else self._end
-        return end - self._positions[i] - _RECORD_HEADER.size
+        return self._record_end(i) - self._positions[i] - _RECORD_HEADER.size
 
     def index_at(self, i: int) -> int:
         """The Raft index of the entry at position i (no read of its command)."""
@@ -443,13 +600,15 @@ class DurableJournal:
         return len(self._indexes)
 
     def close(self) -> None:
-        """Sync, store the metadata and close. The fd is closed even if that fails."""
+        """Sync, store the metadata and close. The files are closed even if that fails."""
         try:
             self.sync()
             self._store_meta_if_dirty()
         finally:
-            self._files.close(self._fd)
-            self._fd = -1
+            for segment in self._segments:
+                self._files.close(segment.fd)
+            self._segments = []
+            self._by_seq = {}
 
     # --- term, vote, commit index ------------------------------------------------------
 
@@ -490,24 +649,30 @@ class DurableJournal:
         time fdatasync fails, CorruptionError from then on (see the class docstring)."""
         self._check_writable()
         if self._dirty:
-            started = trace.clock()
-            try:
-                self._files.fdatasync(self._fd)
-            except OSError as error:
-                self._failed = CorruptionError(
-                    str(self._path),
-                    self._end,
-                    f"fdatasync failed ({error}): what it covered may not be on disk",
-                )
-                raise
-            self._dirty = False
-            self.syncs += 1
-            tracer = trace.current()
-            if tracer.on and self._indexes:
-                tracer.journal_synced(self._indexes[-1], started, trace.clock())
-            if self._indexes and self._meta.get("synced_last_index") != self._indexes[-1]:
-                self._meta["synced_last_index"] = self._indexes[-1]
-                self._meta_dirty = True  # stored with the commit index (onOneSecondTimer)
+            self._sync_newest()
+
+    def _sync_newest(self) -> None:
+        """fdatasync the segment records go to (every other one was synced when it was
+        full)."""
+        started = trace.clock()
+        segment = self._segments[-1]
+        try:
+            self._files.fdatasync(segment.fd)
+        except OSError as error:
+            self._failed = CorruptionError(
+                str(segment.path),
+                segment.end,
+                f"fdatasync failed ({error}): what it covered may not be on disk",
+            )
+            raise
+        self._dirty = False
+        self.syncs += 1
+        tracer = trace.current()
+        if tracer.on and self._indexes:
+            tracer.journal_synced(self._indexes[-1], started, trace.clock())
+        if self._indexes and self._meta.get("synced_last_index") != self._indexes[-1]:
+            self._meta["synced_last_index"] = self._indexes[-1]
+            self._meta_dirty = True  # stored with the commit index (onOneSecondTimer)
 
     @property
     def dirty(self) -> bool:
@@ -522,8 +687,7 @@ class DurableJournal:
     @property
     def bytes_total(self) -> int:
         """Command bytes in the log (held in memory or not)."""
-        records = len(self._indexes) * _RECORD_HEADER.size
-        return max(0, self._end - _FILE_HEADER.size - records)
+        return self._bytes_total
 
     @property
     def resident_bytes(self) -> int:
@@ -534,26 +698,32 @@ class DurableJournal:
     def directory(self) -> Path:
         return self._directory
 
+    @property
+    def segment_count(self) -> int:
+        return len(self._segments)
+
     def _check_writable(self) -> None:
-        assert self._fd >= 0, "journal used after close()"
+        assert self._segments, "journal used after close()"
         if self._failed is not None:
             raise self._failed
 
-    def _cut_back(self, position: int, error: OSError) -> None:
+    def _cut_back(self, segment: _Segment, position: int, error: OSError) -> None:
         """Remove what a failed write left after `position`; if even that fails, the journal
         refuses every later write (a later entry must never land after garbage)."""
         try:
-            self._files.ftruncate(self._fd, position)
+            self._files.ftruncate(segment.fd, position)
         except OSError as cut_error:
             self._failed = CorruptionError(
-                str(self._path),
+                str(segment.path),
                 position,
                 f"cannot remove a partial write ({error}): {cut_error}",
             )
             raise self._failed from cut_error
 
     def _truncate_to(self, count: int) -> None:
-        """Drop entries [count, ...). Raises OSError with nothing dropped."""
+        """Drop entries [count, ...). Raises OSError with nothing dropped (segments after the
+        cut may be removed already: a crash then leaves a log that ends earlier, as the cut
+        asked)."""
         self._check_writable()
         kept_last = self._indexes[count - 1] if count else 0
         synced_last = int(self._meta.get("synced_last_index", 0))
@@ -561,15 +731,29 @@ class DurableJournal:
             # Durably before the cut: entries written later at these indexes are not synced,
             # and a torn one must not be taken for corruption.
             self._store_meta({"synced_last_index": kept_last})
-        position = self._positions[count] if count < len(self._positions) else self._end
+        seq, position = self._seqs[count], self._positions[count]
+        later = [segment for segment in self._segments if segment.seq > seq]
         try:
-            self._files.ftruncate(self._fd, position)
+            # Newest first: whatever a crash interrupts, the segments left chain up.
+            for segment in reversed(later):
+                with contextlib.suppress(FileNotFoundError):
+                    self._files.unlink(segment.path)
+            if later:
+                self._files.fsync_dir(self._directory)
+            self._files.ftruncate(self._by_seq[seq].fd, position)
         except OSError:
             if synced_last > kept_last:
                 # Nothing was cut: the entries above kept_last are as synced as they were.
                 self._meta["synced_last_index"] = synced_last
                 self._meta_dirty = True
             raise
+        self._bytes_total -= sum(self._length(i) for i in range(count, len(self._indexes)))
+        for segment in later:
+            del self._by_seq[segment.seq]
+            with contextlib.suppress(OSError):
+                self._files.close(segment.fd)
+        self._segments = [segment for segment in self._segments if segment.seq <= seq]
+        self._segments[-1].end = position
         for command in self._commands[max(count, self._evict_upto) :]:
             assert command is not None
             self._resident_bytes -= len(command)
@@ -577,8 +761,8 @@ class DurableJournal:
         del self._commands[count:]
         del self._indexes[count:]
         del self._terms[count:]
+        del self._seqs[count:]
         del self._positions[count:]
-        self._end = position
         self._dirty = True
 
     def _store_meta_if_dirty(self) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Final
 
 from deploy.local_cluster import LocalCluster, wait_until
+from raftstore.storage.journal import live_segments
 from tests.chaos import faults, verify
 from tests.chaos.faults import MIB, Flip
 from tests.chaos.scenario import Scenario
@@ -149,8 +150,8 @@ def _flip_checkpoint(scenario: Scenario) -> None:
 
 def _flip_journal(scenario: Scenario) -> None:
     def flip(alias: str, group: int) -> Flip | None:
-        journal = scenario.cluster.ha_dir(alias) / f"group-{group}" / "raft.journal"
-        return faults.flip_journal_entry(scenario.rng, journal)
+        segments = live_segments(scenario.cluster.ha_dir(alias) / f"group-{group}")
+        return faults.flip_journal_entry(scenario.rng, segments)
 
     _flip_on_stopped_node(scenario, flip)
 

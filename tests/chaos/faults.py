@@ -141,10 +141,11 @@ def record_spans(segment: bytes) -> list[tuple[int, int]]:
     return spans
 
 
-def journal_entry_spans(journal: bytes) -> list[tuple[int, int]]:
-    """(entry start, entry end) of each whole entry of a raft.journal file."""
+def journal_entry_spans(journal: bytes, start: int = JOURNAL_HEADER_BYTES) -> list[tuple[int, int]]:
+    """(entry start, entry end) of each whole entry of a journal segment file from `start`
+    (where its live records begin)."""
     spans: list[tuple[int, int]] = []
-    position = JOURNAL_HEADER_BYTES
+    position = start
     while position + JOURNAL_ENTRY_HEADER_BYTES <= len(journal):
         (command_length,) = _PAYLOAD_LENGTH.unpack_from(journal, position + 4)
         end = position + JOURNAL_ENTRY_HEADER_BYTES + command_length
@@ -202,13 +203,20 @@ def flip_segment_header(rng: random.Random, segments: list[Path]) -> Flip | None
     return flip_byte(path, start + rng.randrange(RECORD_HEADER_BYTES), "record header")
 
 
-def flip_journal_entry(rng: random.Random, journal: Path) -> Flip | None:
-    """Flip a byte inside a random entry (not the file header) of a raft.journal."""
-    spans = journal_entry_spans(journal.read_bytes()) if journal.exists() else []
-    if not spans:
+def flip_journal_entry(rng: random.Random, segments: list[tuple[Path, int]]) -> Flip | None:
+    """Flip a byte inside a random live entry (not a file header, nor a record before the
+    log's start) of a group's journal: its segment files, each with where its live records
+    begin (journal.live_segments)."""
+    candidates = [
+        (path, span)
+        for path, start in segments
+        if path.exists()
+        for span in journal_entry_spans(path.read_bytes(), start)
+    ]
+    if not candidates:
         return None
-    start, end = rng.choice(spans)
-    return flip_byte(journal, rng.randrange(start, end), "journal entry")
+    path, (start, end) = rng.choice(candidates)
+    return flip_byte(path, rng.randrange(start, end), "journal entry")
 
 
 def flip_anywhere(rng: random.Random, path: Path, what: str) -> Flip | None:
