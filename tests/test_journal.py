@@ -468,3 +468,38 @@ def test_a_journal_of_the_single_file_layout_opens_as_its_first_segment(tmp_path
     assert [entry[1] for entry in entries(tmp_path)] == [1, 2, 3, 4, 5]
     assert not (tmp_path / "raft.journal.tmp").exists()
     assert segment_paths(tmp_path) == [tmp_path / "raft.journal"]
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EIO], ids=errno.errorcode.get)
+def test_a_cut_back_across_segments_that_fails_midway_keeps_memory_equal_to_disk(
+    error: int,
+) -> None:
+    """truncate_from reaching back over several segments removes them newest first: a
+    failure leaves fewer entries, never memory that names files already gone."""
+
+    def build(sim: SimFiles) -> DurableJournal:
+        journal = DurableJournal(SIM_DIR, files=sim, segment_bytes_max=64)
+        fill(journal, 12)
+        journal.store_meta_if_changed()
+        return journal
+
+    sim = SimFiles()
+    journal = build(sim)
+    before = list(journal[:])
+    operations = sim.operations
+    journal.truncate_from(2)
+    operations = sim.operations - operations
+    assert operations > 5
+    for failing in range(operations):
+        where = f"{errno.errorcode[error]} at operation {failing}"
+        sim = SimFiles()
+        journal = build(sim)
+        sim.fail(Fault(error, skip=failing))
+        raised = _attempt(lambda journal=journal: journal.truncate_from(2))
+        in_memory = _entries_unfaulted(journal, sim)
+        assert in_memory == before[: len(in_memory)], where
+        assert len(in_memory) >= 2, where
+        if raised is None:
+            assert len(in_memory) == 2, where
+        reopened = DurableJournal(SIM_DIR, files=sim, segment_bytes_max=64)
+        assert list(reopened[:]) == in_memory, where

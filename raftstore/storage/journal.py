@@ -192,13 +192,13 @@ class DurableJournal:
         self._failed: CorruptionError | None = None
         self._meta: dict[str, Any] = self._load_meta()
         self._meta_dirty = False
+        self.syncs = 0  # fdatasync calls, for stats
         try:
             self._open_and_recover()
         except BaseException:
             for segment in self._segments:
                 self._files.close(segment.fd)
             raise
-        self.syncs = 0  # fdatasync calls, for stats
 
     # --- recovery -------------------------------------------------------------------
 
@@ -235,10 +235,13 @@ class DurableJournal:
         seqs = [segment_seq(path.name) for path in segment_paths(self._directory, self._files)]
         found = sorted(seq for seq in seqs if seq is not None)
         stale = [seq for seq in found if seq < start_seq]
-        for seq in stale:  # before the log's start: a crash came between the two steps
-            self._files.unlink(segment_path(self._directory, seq))
-        if stale:
-            self._files.fsync_dir(self._directory)
+        try:
+            for seq in stale:  # before the log's start: a crash came between the two steps
+                self._files.unlink(segment_path(self._directory, seq))
+            if stale:
+                self._files.fsync_dir(self._directory)
+        except OSError as error:  # garbage: the next cut or open removes it
+            log.warning("journal segments before the log's start not removed yet: %s", error)
         live = [seq for seq in found if seq >= start_seq]
         if live and live[0] != start_seq:
             raise CorruptionError(
@@ -721,9 +724,10 @@ class DurableJournal:
             raise self._failed from cut_error
 
     def _truncate_to(self, count: int) -> None:
-        """Drop entries [count, ...). Raises OSError with nothing dropped (segments after the
-        cut may be removed already: a crash then leaves a log that ends earlier, as the cut
-        asked)."""
+        """Drop entries [count, ...). Raises OSError with nothing dropped, or, when the cut
+        reaches back into an older segment, with some newer segments gone already: they go
+        newest first and their entries with them, so the entries in memory are those on
+        disk, and a crash leaves segments that chain up, ending earlier as the cut asked."""
         self._check_writable()
         kept_last = self._indexes[count - 1] if count else 0
         synced_last = int(self._meta.get("synced_last_index", 0))
@@ -732,28 +736,34 @@ class DurableJournal:
             # and a torn one must not be taken for corruption.
             self._store_meta({"synced_last_index": kept_last})
         seq, position = self._seqs[count], self._positions[count]
-        later = [segment for segment in self._segments if segment.seq > seq]
         try:
-            # Newest first: whatever a crash interrupts, the segments left chain up.
+            later = [segment for segment in self._segments if segment.seq > seq]
             for segment in reversed(later):
                 with contextlib.suppress(FileNotFoundError):
                     self._files.unlink(segment.path)
+                first = bisect.bisect_left(self._seqs, segment.seq)
+                self._forget_tail(first, keep_through=segment.seq - 1)
             if later:
                 self._files.fsync_dir(self._directory)
             self._files.ftruncate(self._by_seq[seq].fd, position)
         except OSError:
-            if synced_last > kept_last:
-                # Nothing was cut: the entries above kept_last are as synced as they were.
-                self._meta["synced_last_index"] = synced_last
+            if synced_last > kept_last and self._indexes:
+                # What is still in the log is as synced as it was.
+                self._meta["synced_last_index"] = min(synced_last, self._indexes[-1])
                 self._meta_dirty = True
             raise
+        self._forget_tail(count, keep_through=seq)
+        self._segments[-1].end = position
+
+    def _forget_tail(self, count: int, *, keep_through: int) -> None:
+        """Entries [count, ...) leave memory, and the segments after `keep_through` (their
+        files are gone)."""
         self._bytes_total -= sum(self._length(i) for i in range(count, len(self._indexes)))
-        for segment in later:
+        for segment in [segment for segment in self._segments if segment.seq > keep_through]:
             del self._by_seq[segment.seq]
             with contextlib.suppress(OSError):
                 self._files.close(segment.fd)
-        self._segments = [segment for segment in self._segments if segment.seq <= seq]
-        self._segments[-1].end = position
+        self._segments = [segment for segment in self._segments if segment.seq <= keep_through]
         for command in self._commands[max(count, self._evict_upto) :]:
             assert command is not None
             self._resident_bytes -= len(command)
