@@ -8,7 +8,7 @@ import os
 import sys
 
 from hastream.errors import ConfigError
-from raftstore import config, tuning
+from raftstore import allocator, config, tuning
 from raftstore.identity import StartRefused
 from raftstore.node import DirectoryLocked, Node
 
@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         "node rebuilds from its peers, as a member that votes only once caught up",
     )
     args = parser.parse_args(argv)
+    allocator.bound_arenas()  # before any thread of the node starts
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",

@@ -68,6 +68,9 @@ RAFT_SEND_BUFFER_BYTES_MAX: Final = (
 # pysyncobj's own command queue, per group.
 RAFT_COMMAND_QUEUE_MAX: Final = 1_000
 
+# malloc arenas of a node process (allocator.py): each keeps its own peak of freed memory.
+MALLOC_ARENAS_MAX: Final = 2
+
 # Data files.
 SEGMENT_BYTES_MAX: Final = 64 * MIB
 RECORD_BYTES_MAX: Final = ENTRY_BYTES_MAX
