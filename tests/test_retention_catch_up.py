@@ -36,6 +36,12 @@ def _first_offset(segment: Path) -> int:
     return int(match.group(1))
 
 
+def _checkpoints(cluster: LocalCluster, alias: str) -> tuple[int, int]:
+    """(taken, durable) checkpoint counts of `alias`."""
+    status = cluster.group_status(alias, 2)
+    return int(status["checkpoints_written"]), int(status["checkpoints_durable"])
+
+
 def _ids_from(cluster: LocalCluster, alias: str, offset: int) -> list[int]:
     ids: list[int] = []
     request = pb.ReadRequest(table="ticks", offset_from=offset, offset_to=-1)
@@ -55,16 +61,30 @@ def test_new_replica_starts_where_the_peers_retained_rows_begin(tmp_path: Path) 
             publisher.publish(key, BATCH_ROWS)
             key += BATCH_ROWS
             assert key < 10_000_000, "no second data segment"
-        total = key
-        leader = cluster.leader()
-        checkpoints = cluster.group_status(leader, 2)["checkpoints_written"]
+        # Either peer may lead after the restart and send node1 its checkpoint: both must
+        # hold every row in a durable one (and have purged the log before it). An older
+        # checkpoint is legitimate too, but then node1 replays the log entries after it and
+        # keeps rows from there, before where the peers' data begins. A checkpoint is taken
+        # only when entries were applied since the last one: small appends go on meanwhile.
         wait_until(
-            lambda: (
-                all(cluster.row_count(alias, "ticks") == total for alias in cluster.nodes)
-                and cluster.group_status(leader, 2)["checkpoints_written"] > checkpoints
-            ),
+            lambda: all(cluster.row_count(alias, "ticks") == key for alias in cluster.nodes),
             timeout_s=60,
-            message="every replica has the rows, and a checkpoint purged the Raft log",
+            message="every replica applied the rows",
+        )
+        written = {alias: _checkpoints(cluster, alias) for alias in ("node2", "node3")}
+
+        def checkpointed() -> bool:
+            nonlocal key
+            publisher.publish(key, 1)
+            key += 1
+            return all(_checkpoints(cluster, a)[1] > written[a][0] for a in written)
+
+        wait_until(checkpointed, timeout_s=60, message="a checkpoint of every row on both peers")
+        total = key
+        wait_until(
+            lambda: all(cluster.row_count(alias, "ticks") == total for alias in cluster.nodes),
+            timeout_s=60,
+            message="every replica has the rows",
         )
         cluster.stop()
 
