@@ -35,7 +35,7 @@ import pyarrow as pa
 
 from api_clients import Publisher, Session
 from bench import common
-from bench.vs_nats import SCHEMA, RowPool, cpu_meter, hastream_builder
+from bench.publish_rows import SCHEMA, RowPool, cpu_meter, hastream_builder
 from deploy.local_cluster import LocalCluster
 
 
