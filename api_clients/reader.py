@@ -20,7 +20,7 @@ from api_clients.hedge import StreamGuard
 from api_clients.transport import StreamBroken
 from api_clients.types import StreamOpener
 from hastream import wire
-from hastream.errors import InvalidArgument, RaftStoreError
+from hastream.errors import InvalidArgument, RaftStoreError, TableNotFound
 from proto import hastream_pb2
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ def read_range(
     """The rows `[offset_from, offset_to)` of `table` (`offset_to=-1`: up to the end the
     answering node knows), with `include_metadata` also each row's offset and ingest time
     (`times.with_metadata`). Raises the last error when the deadline passes before the
-    range is complete, and non-retryable errors (OffsetOutOfRange, TableNotFound) at once."""
+    range is complete, and non-retryable errors (OffsetOutOfRange) at once; TableNotFound once
+    every known site said so (a follower may not have applied the table's creation yet)."""
     if offset_from < 0 or (offset_to >= 0 and offset_to < offset_from):
         raise InvalidArgument("offset", f"bad range [{offset_from}, {offset_to})")
     if not 0 <= batch_rows <= wire.SUBSCRIBE_BATCH_ROWS_MAX:
@@ -48,6 +49,7 @@ def read_range(
     site = session.route(table=table)
     parts: list[pa.Table] = []
     position = offset_from
+    not_found: set[str] = set()  # sites that answered TableNotFound
     while offset_to < 0 or position < offset_to:  # Bounded: every retry takes a wait.
         request = hastream_pb2.ReadRequest(
             table=table, offset_from=position, offset_to=offset_to, batch_rows=batch_rows
@@ -57,6 +59,16 @@ def read_range(
             for rows in stream:
                 parts.append(rows)
                 position += rows.num_rows
+        except TableNotFound:
+            # A follower that has not applied the table's creation yet says so (a read
+            # right after another session's haStreamTable): believed once every known site
+            # said so, as Session.call does. Asked at once, without a backoff.
+            not_found.add(site)
+            untried = [known for known in session.sites if known not in not_found]
+            if not untried or backoff.remaining_s() <= 0:
+                raise
+            site = untried[0]
+            continue
         except RaftStoreError as error:
             if not error.retryable:
                 raise

@@ -747,6 +747,22 @@ def test_read_resumes_after_a_failed_stream_and_a_lagging_node(
     assert [request.offset_from for request in leader.calls("Read")] == [7]
 
 
+def test_read_asks_other_sites_when_a_lagging_follower_does_not_know_the_table(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    lagging, leader = start_node(), start_node()
+    leader.table = rows(0, 6)
+    lagging.errors["Read"] = [errors.TableNotFound(TABLE)]
+    with make_session(site(lagging), site(leader)) as session:
+        assert session.read(TABLE, 0).equals(rows(0, 6))
+    nowhere = [start_node(), start_node()]
+    for node in nowhere:
+        node.errors["Read"] = [errors.TableNotFound(TABLE)]
+    with make_session(*map(site, nowhere)) as session, pytest.raises(errors.TableNotFound):
+        session.read(TABLE, 0)
+    assert [len(node.calls("Read")) for node in nowhere] == [1, 1]
+
+
 def test_read_of_an_empty_range_returns_an_empty_table(start_node: Callable[[], FakeNode]) -> None:
     node = start_node()
     with make_session(site(node)) as session:
