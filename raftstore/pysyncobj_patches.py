@@ -16,7 +16,9 @@ Process-wide (`install`):
   and `__processParseMessage` move the same frames through peer_frames.py's Outbox and
   Inbox (no quadratic copies, no fresh multi-MiB buffer per message); a link whose unsent
   bytes pass RAFT_SEND_BUFFER_BYTES_MAX, or that declares a frame longer than
-  RAFT_FRAME_BYTES_MAX, is dropped before the bytes are buffered;
+  RAFT_FRAME_BYTES_MAX, is dropped before the bytes are buffered; a send that leaves bytes
+  unsent has the link polled for writability until they are out (pysyncobj left them for
+  the next message on the link);
 - `TcpConnection.__processConnectionTimeout` (a silent link is dropped only when this node
   has been talking on it and nothing waits to be read);
 - `TCPTransport._onNewIncomingConnection` and `_onTick` (at most RAFT_UNAUTHENTICATED_MAX
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import pysyncobj.pickle as pysyncobj_pickle
+import pysyncobj.poller as pysyncobj_poller
 import pysyncobj.syncobj as pysyncobj_syncobj
 import pysyncobj.tcp_connection as pysyncobj_tcp_connection
 import pysyncobj.tcp_server as pysyncobj_tcp_server
@@ -60,6 +63,12 @@ PYSYNCOBJ_VERSION: Final = "0.3.17"
 _AUTH_SALT: Final = b"hastream-raft-peer-aead-v2"
 # Every peer message: pysyncobj's default (2) copies every bytes object again.
 _PICKLE_PROTOCOL: Final = 5
+
+_POLL_READ_WRITE_ERROR: Final = (
+    pysyncobj_poller.POLL_EVENT_TYPE.READ
+    | pysyncobj_poller.POLL_EVENT_TYPE.WRITE
+    | pysyncobj_poller.POLL_EVENT_TYPE.ERROR
+)
 
 # Private methods of SyncObj that replication.py replaces or calls.
 SYNCOBJ_METHODS: Final = (
@@ -112,6 +121,8 @@ _MODULE_NAMES: Final = (
     (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processSend"),
     (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processParseMessage"),
     (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__trySendBuffer"),
+    (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processConnection"),
+    (pysyncobj_poller, "POLL_EVENT_TYPE"),
     (pysyncobj_transport.TCPTransport, "_onNewIncomingConnection"),
     (pysyncobj_transport.TCPTransport, "_onTick"),
     (pysyncobj_tcp_server.TcpServer, "_TcpServer__onNewConnection"),
@@ -341,6 +352,25 @@ def _connection_send(self: Any, message: Any) -> None:
     if unsent > limits.RAFT_SEND_BUFFER_BYTES_MAX:
         log.warning("dropping raft link: %d unsent bytes, the peer is not reading", unsent)
         self.disconnect()
+    elif unsent:
+        _poll_for_write(self)
+
+
+def _poll_for_write(connection: Any) -> None:
+    # pysyncobj polls a link for writability only until its buffer first runs empty, and
+    # its send() never asks again: the rest of a frame the socket's buffers did not take
+    # went out only with the next message on the link (a heartbeat, up to
+    # appendEntriesPeriod later), once per socket-buffer-full of each multi-MiB entry. Poll
+    # for writability until the buffer is empty; pysyncobj's write-event handler sends
+    # and stops asking once it is.
+    fileno = connection._TcpConnection__fileno
+    if fileno is None or connection.state != pysyncobj_tcp_connection.CONNECTION_STATE.CONNECTED:
+        return  # connecting: polled for writes already; disconnected: nothing to send
+    connection._TcpConnection__poller.subscribe(
+        fileno,
+        connection._TcpConnection__processConnection,
+        _POLL_READ_WRITE_ERROR,
+    )
 
 
 def _connection_unsent(self: Any) -> int:

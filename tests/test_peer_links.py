@@ -156,3 +156,33 @@ def test_messages_of_any_size_cross_a_link_whole_and_in_order() -> None:
     finally:
         sender.disconnect()
         receiver.disconnect()
+
+
+def test_a_frame_larger_than_the_socket_buffers_goes_out_whole_with_no_later_send() -> None:
+    """pysyncobj polls a link for writability only until its buffer first runs empty; a
+    later frame that does not fit the socket's buffers must still go out whole, through the
+    poller, without waiting for the next message (a heartbeat, up to appendEntriesPeriod
+    later, on each multi-MiB entry)."""
+    pysyncobj_patches.install()
+    poller = PollPoller()
+    left, right = socket.socketpair()
+    left.setblocking(False)
+    right.setblocking(False)
+    received: list[object] = []
+    sender = TcpConnection(poller, socket=left, timeout=TIMEOUT_S)
+    receiver = TcpConnection(
+        poller, socket=right, onMessageReceived=received.append, timeout=TIMEOUT_S
+    )
+    message = {"type": "append_entries", "entries": [(b"x" * (16 << 20), 1, 1)]}
+    try:
+        poller.poll(0)  # the first (empty) write event: the link is polled for reads only
+        sender.send(message)
+        assert sender.getSendBufferSize() > 0, "the frame fit the socket buffers"
+        deadline = time.monotonic() + 30
+        while not received and time.monotonic() < deadline:
+            poller.poll(0.05)
+        assert received == [message]
+        assert sender.getSendBufferSize() == 0
+    finally:
+        sender.disconnect()
+        receiver.disconnect()
