@@ -38,6 +38,10 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
    replacing Fernet: the tag is what stops remote code execution, and AES-GCM costs a
    fraction of Fernet's AES-CBC + HMAC + base64 on multi-MiB batches). A frame longer than
    `RAFT_FRAME_BYTES_MAX` drops the link before its bytes are buffered.
+7. Commit notices. With appendEntriesUseBatch=False pysyncobj sends every follower an
+   append_entries after every apply, only to carry the new commit index; here the next
+   entry carries it, or a heartbeat brought forward to `_COMMIT_NOTICE_S` after the apply
+   (`__applyLogEntries`).
 
 The process-wide patches (journal, encryptor, pickle protocol, compression, link timeouts)
 live in pysyncobj_patches.py with a guard on the pysyncobj version; the per-class ones are
