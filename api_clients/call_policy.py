@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -143,6 +143,13 @@ def next_site_except(sites: tuple[str, ...], site: str, skip: frozenset[str]) ->
     return next_site(sites, site)
 
 
+def untried_site(sites: Iterable[str], not_found: Container[str]) -> str | None:
+    """The first of `sites` that has not answered TableNotFound, None once every one has. A
+    follower that has not applied a table's creation yet answers it before it looks at
+    leadership: a call, stream or read about a table believes it only from every site."""
+    return next((site for site in sites if site not in not_found), None)
+
+
 def decide(state: AttemptState, error: RaftStoreError) -> Decision:
     """The next step of a call whose attempt on `state.target` failed with `error`."""
     assert state.sites, "a session has at least one site"
@@ -153,11 +160,11 @@ def decide(state: AttemptState, error: RaftStoreError) -> Decision:
             # A follower that has not applied the table's creation yet answers this before it
             # looks at leadership: ask every known site before believing it.
             state = dataclasses.replace(state, not_found=state.not_found | {state.target})
-            untried = [site for site in state.sites if site not in state.not_found]
-            if untried and state.time_left:
+            untried = untried_site(state.sites, state.not_found)
+            if untried is not None and state.time_left:
                 return Decision(
                     action=Action.NEXT_SITE,
-                    target=untried[0],
+                    target=untried,
                     backoff=False,
                     forget_leader=True,
                     state=state,

@@ -49,6 +49,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from api_clients.call_policy import untried_site
 from api_clients.hedge import LeaderWatch
 from api_clients.retry import Backoff
 from api_clients.transport import Stream, StreamBroken, Unresponsive
@@ -502,9 +503,9 @@ class PublishPipeline:
             # every known site did, or a site sends us back to one that did (its leader).
             retry.not_found.add(site)
             retry.not_found_error = error
-            untried = [known for known in self._session.sites if known not in retry.not_found]
-            if untried and retry.backoff.remaining_s() > 0:
-                return untried[0]
+            untried = untried_site(self._session.sites, retry.not_found)
+            if untried is not None and retry.backoff.remaining_s() > 0:
+                return untried
         hint = self._session.redirect_target(error, site)
         if retry.not_found_error is not None and hint in retry.not_found:
             error = retry.not_found_error

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from api_clients import batches, times
+from api_clients.call_policy import untried_site
 from api_clients.hedge import StreamGuard
 from api_clients.transport import StreamBroken
 from api_clients.types import StreamOpener
@@ -60,14 +61,13 @@ def read_range(
                 parts.append(rows)
                 position += rows.num_rows
         except TableNotFound:
-            # A follower that has not applied the table's creation yet says so (a read
-            # right after another session's haStreamTable): believed once every known site
-            # said so, as Session.call does. Asked at once, without a backoff.
+            # E.g. a read right after another session's haStreamTable: the next untried
+            # site is asked at once, without a backoff.
             not_found.add(site)
-            untried = [known for known in session.sites if known not in not_found]
-            if not untried or backoff.remaining_s() <= 0:
+            untried = untried_site(session.sites, not_found)
+            if untried is None or backoff.remaining_s() <= 0:
                 raise
-            site = untried[0]
+            site = untried
             continue
         except RaftStoreError as error:
             if not error.retryable:

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from api_clients import batches
+from api_clients.call_policy import untried_site
 from api_clients.hedge import LeaderWatch
 from api_clients.transport import Stream, StreamBroken, StreamIdle, Unresponsive
 from api_clients.types import Filter, Handler, StreamOpener, TableInfo
@@ -354,9 +355,9 @@ class Subscription:
                 # A follower that has not applied the table's creation answers this before
                 # it looks at leadership: believe it once every known site said so.
                 not_found.add(site)
-                untried = [known for known in self._session.sites if known not in not_found]
-                if untried and self._reconnect:
-                    site = untried[0]
+                untried = untried_site(self._session.sites, not_found)
+                if untried is not None and self._reconnect:
+                    site = untried
                     continue
             reason = error if error is not None else StreamBroken(site, "the stream ended")
             if not reason.retryable or not self._reconnect:

@@ -150,6 +150,12 @@ def iter_rows(messages: Iterator[pb.RowBatch]) -> Iterator[pa.Table]:
         yield read_stream(message.payload)
 
 
+def checkpoint_counts(cluster: LocalCluster, alias: str, group: int = 2) -> tuple[int, int]:
+    """(taken, durable) checkpoints of `group` on `alias` since it started."""
+    status = cluster.group_status(alias, group)
+    return int(status["checkpoints_written"]), int(status["checkpoints_durable"])
+
+
 def wait_durable_checkpoint_of_what_is_applied(
     cluster: LocalCluster, alias: str, group: int = 2
 ) -> None:
@@ -158,14 +164,10 @@ def wait_durable_checkpoint_of_what_is_applied(
     place: a kill right then restarts from the one before, and replays the log instead. At
     most one is in flight, and each becomes durable unless a write fails.)"""
 
-    def counts() -> tuple[int, int]:
-        status = cluster.group_status(alias, group)
-        return int(status["checkpoints_written"]), int(status["checkpoints_durable"])
-
-    written, _ = counts()
+    written, _ = checkpoint_counts(cluster, alias, group)
 
     def done() -> bool:
-        now_written, now_durable = counts()
+        now_written, now_durable = checkpoint_counts(cluster, alias, group)
         return now_written > written and now_durable >= now_written
 
     wait_until(done, timeout_s=60, message=f"a durable checkpoint on {alias}")

@@ -127,19 +127,28 @@ def test_leader_kill_on_an_idle_cluster_takes_one_election(tmp_path: Path) -> No
         cluster.stop()
 
 
-def test_messages_of_any_size_cross_a_link_whole_and_in_order() -> None:
-    """Two patched connections on a loopback pair, encrypted as between nodes: a frame of many
-    MiB (received in place, sent in pieces) between small ones."""
+def _connected_pair(
+    poller: PollPoller, received: list[object]
+) -> tuple[TcpConnection, TcpConnection]:
+    """Two patched connections on a loopback socket pair, polled by `poller`: the second
+    appends what it receives to `received`."""
     pysyncobj_patches.install()
-    poller = PollPoller()
     left, right = socket.socketpair()
     left.setblocking(False)
     right.setblocking(False)
-    received: list[object] = []
     sender = TcpConnection(poller, socket=left, timeout=TIMEOUT_S)
     receiver = TcpConnection(
         poller, socket=right, onMessageReceived=received.append, timeout=TIMEOUT_S
     )
+    return sender, receiver
+
+
+def test_messages_of_any_size_cross_a_link_whole_and_in_order() -> None:
+    """Two patched connections on a loopback pair, encrypted as between nodes: a frame of many
+    MiB (received in place, sent in pieces) between small ones."""
+    poller = PollPoller()
+    received: list[object] = []
+    sender, receiver = _connected_pair(poller, received)
     sender.encryptor = receiver.encryptor = pysyncobj_patches.AesGcmEncryptor("link-secret")
     messages = [
         {"type": "append_entries", "entries": [(bytes([n]) * size, n, 1)]}
@@ -163,16 +172,9 @@ def test_a_frame_larger_than_the_socket_buffers_goes_out_whole_with_no_later_sen
     later frame that does not fit the socket's buffers must still go out whole, through the
     poller, without waiting for the next message (a heartbeat, up to appendEntriesPeriod
     later, on each multi-MiB entry)."""
-    pysyncobj_patches.install()
     poller = PollPoller()
-    left, right = socket.socketpair()
-    left.setblocking(False)
-    right.setblocking(False)
     received: list[object] = []
-    sender = TcpConnection(poller, socket=left, timeout=TIMEOUT_S)
-    receiver = TcpConnection(
-        poller, socket=right, onMessageReceived=received.append, timeout=TIMEOUT_S
-    )
+    sender, receiver = _connected_pair(poller, received)
     message = {"type": "append_entries", "entries": [(b"x" * (16 << 20), 1, 1)]}
     try:
         poller.poll(0)  # the first (empty) write event: the link is polled for reads only

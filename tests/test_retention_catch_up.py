@@ -11,7 +11,13 @@ import pytest
 
 from proto import hastream_pb2 as pb
 from raftstore.storage.segments import SEGMENT_NAME_PATTERN
-from tests.harness import AckedPublisher, LocalCluster, read_stream, wait_until
+from tests.harness import (
+    AckedPublisher,
+    LocalCluster,
+    checkpoint_counts,
+    read_stream,
+    wait_until,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -34,12 +40,6 @@ def _first_offset(segment: Path) -> int:
     match = SEGMENT_NAME_PATTERN.fullmatch(segment.name)
     assert match is not None
     return int(match.group(1))
-
-
-def _checkpoints(cluster: LocalCluster, alias: str) -> tuple[int, int]:
-    """(taken, durable) checkpoint counts of `alias`."""
-    status = cluster.group_status(alias, 2)
-    return int(status["checkpoints_written"]), int(status["checkpoints_durable"])
 
 
 def _ids_from(cluster: LocalCluster, alias: str, offset: int) -> list[int]:
@@ -71,13 +71,13 @@ def test_new_replica_starts_where_the_peers_retained_rows_begin(tmp_path: Path) 
             timeout_s=60,
             message="every replica applied the rows",
         )
-        written = {alias: _checkpoints(cluster, alias) for alias in ("node2", "node3")}
+        written = {alias: checkpoint_counts(cluster, alias) for alias in ("node2", "node3")}
 
         def checkpointed() -> bool:
             nonlocal key
             publisher.publish(key, 1)
             key += 1
-            return all(_checkpoints(cluster, a)[1] > written[a][0] for a in written)
+            return all(checkpoint_counts(cluster, a)[1] > written[a][0] for a in written)
 
         wait_until(checkpointed, timeout_s=60, message="a checkpoint of every row on both peers")
         total = key
