@@ -1,11 +1,14 @@
 """Reading a bounded range of rows `[offset_from, offset_to)` (for example one Spark
 micro-batch), resuming where a failed stream stopped, bounded by a deadline.
 
-Any node answers a Read, but a follower may lag behind the leader and end the range early,
-so a read with an explicit `offset_to` is only complete when every row up to it arrived:
-a short stream is retried (at the leader if known, else the next site) from the next
-missing offset. A stream that goes silent past the session's hedge delay while the other
-sites agree on a leader is left for it (`hedge.StreamGuard`), and resumed there.
+Any node answers a Read with an explicit `offset_to`, but a follower may lag behind the
+leader and end the range early, so such a read is only complete when every row up to it
+arrived: a short stream is retried (at the leader if known, else the next site) from the
+next missing offset. A read up to the end (`offset_to=-1`) is the leader's: it ends where
+the acknowledged rows end (a follower learns of them a few ms later), and a follower
+answers it with NotLeader naming the leader, which is followed at once. A stream that goes
+silent past the session's hedge delay while the other sites agree on a leader is left for
+it (`hedge.StreamGuard`), and resumed there.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from api_clients.hedge import StreamGuard
 from api_clients.transport import StreamBroken
 from api_clients.types import StreamOpener
 from hastream import wire
-from hastream.errors import InvalidArgument, RaftStoreError, TableNotFound
+from hastream.errors import InvalidArgument, NotLeader, RaftStoreError, TableNotFound
 from proto import hastream_pb2
 
 log = logging.getLogger(__name__)
@@ -51,9 +54,14 @@ def read_range(
     parts: list[pa.Table] = []
     position = offset_from
     not_found: set[str] = set()  # sites that answered TableNotFound
+    redirected = False  # the first NotLeader hint is followed without a wait
     while offset_to < 0 or position < offset_to:  # Bounded: every retry takes a wait.
         request = hastream_pb2.ReadRequest(
-            table=table, offset_from=position, offset_to=offset_to, batch_rows=batch_rows
+            table=table,
+            offset_from=position,
+            offset_to=offset_to,
+            batch_rows=batch_rows,
+            end_at_leader=offset_to < 0,
         )
         try:
             stream = _read_stream(session, site, request, backoff.remaining_s(), include_metadata)
@@ -74,13 +82,19 @@ def read_range(
                 raise
             reason: RaftStoreError = error
         else:
-            if offset_to < 0 or position >= offset_to:
+            if offset_to < 0:
+                session.remember_leader(site, table=table, group=None)
+                break
+            if position >= offset_to:
                 break
             reason = StreamBroken(site, f"the read ended at {position} before {offset_to}")
         log.debug(
             "read retry table=%s site=%s position=%d reason=%s", table, site, position, reason
         )
         hint = session.redirect_target(reason, site)
+        if hint is not None and isinstance(reason, NotLeader) and not redirected:
+            redirected, site = True, hint
+            continue
         if not backoff.wait():
             raise reason
         site = hint if hint is not None else session.next_site(site)

@@ -462,7 +462,46 @@ class LocalCluster:
 
         wait_until(create, timeout_s=60, interval_s=0.2, message=f"create {table}")
 
+    def caught_up(self, alias: str, timeout_s: float = 10.0) -> bool:
+        """Waits until `alias` applied every entry the leaders of its groups had committed
+        when asked: a follower learns the commit index with the leader's next entry or a
+        heartbeat brought forward, a few ms after the leader answered. False at the timeout
+        (e.g. a replica cut off on purpose): the caller then sees what it holds."""
+        committed: dict[int, int] = {}
+        for other in self.alive():
+            if other == alias:
+                continue
+            try:
+                groups = self.status(other)["groups"]
+            except grpc.RpcError:
+                continue
+            for group in groups:
+                if group["role"] == "leader":  # a node's local group leads itself: skipped below
+                    number = int(group["raft_group"])
+                    committed[number] = max(committed.get(number, 0), int(group["commit_index"]))
+
+        def applied() -> bool:
+            for group in self.status(alias)["groups"]:
+                wanted = committed.get(int(group["raft_group"]))
+                lagging = wanted is not None and int(group["last_applied"]) < wanted
+                if group["role"] != "leader" and lagging:
+                    return False
+            return True
+
+        deadline = time.monotonic() + timeout_s
+        while True:  # Bounded by the deadline.
+            try:
+                if applied():
+                    return True
+            except grpc.RpcError:
+                return False
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
     def read_table(self, alias: str, table: str) -> pa.Table:
+        """Every row `alias` holds of `table`, once it applied what was committed."""
+        self.caught_up(alias)
         batches: list[pa.RecordBatch] = []
         for message in self.stub(alias).Read(
             pb.ReadRequest(table=table, offset_from=0, offset_to=-1), timeout=120

@@ -152,16 +152,18 @@ class OffsetForTime(_message.Message):
     def __init__(self, table: _Optional[str] = ..., found: _Optional[bool] = ..., offset: _Optional[int] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("table", "offset_from", "offset_to", "batch_rows")
+    __slots__ = ("table", "offset_from", "offset_to", "batch_rows", "end_at_leader")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FROM_FIELD_NUMBER: _ClassVar[int]
     OFFSET_TO_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    END_AT_LEADER_FIELD_NUMBER: _ClassVar[int]
     table: str
     offset_from: int
     offset_to: int
     batch_rows: int
-    def __init__(self, table: _Optional[str] = ..., offset_from: _Optional[int] = ..., offset_to: _Optional[int] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+    end_at_leader: bool
+    def __init__(self, table: _Optional[str] = ..., offset_from: _Optional[int] = ..., offset_to: _Optional[int] = ..., batch_rows: _Optional[int] = ..., end_at_leader: _Optional[bool] = ...) -> None: ...
 
 class FetchRecordsRequest(_message.Message):
     __slots__ = ("raft_group", "table", "offset_from", "offset_to", "created_lsn")

@@ -92,6 +92,7 @@ SYNCOBJ_ATTRIBUTES: Final = (
     "_SyncObj__conf",
     "_SyncObj__connectedNodes",
     "_SyncObj__lastSerializedEntry",
+    "_SyncObj__newAppendEntriesTime",
     "_SyncObj__noopIDx",
     "_SyncObj__otherNodes",
     "_SyncObj__raftCommitIndex",

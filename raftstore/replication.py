@@ -38,6 +38,11 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
    replacing Fernet: the tag is what stops remote code execution, and AES-GCM costs a
    fraction of Fernet's AES-CBC + HMAC + base64 on multi-MiB batches). A frame longer than
    `RAFT_FRAME_BYTES_MAX` drops the link before its bytes are buffered.
+7. Commit notices. With appendEntriesUseBatch=False pysyncobj sends every follower an
+   append_entries after every apply, only to carry the new commit index; here the next
+   entry carries it, or a heartbeat brought forward to `_COMMIT_NOTICE_S` after the apply
+   (`__applyLogEntries`; the tick's poll waits no longer than that). Reads of a table's
+   end go to the leader (`ReadRequest.end_at_leader`), where every acknowledged row is.
 
 The process-wide patches (journal, encryptor, pickle protocol, compression, link timeouts)
 live in pysyncobj_patches.py with a guard on the pysyncobj version; the per-class ones are
@@ -98,6 +103,11 @@ _STATE_LEADER: Final = 2  # pysyncobj's _RAFT_STATE.LEADER
 _TRANSFER_RETRY_S: Final = 0.2
 # A member whose journal failed a write stays in doubt this long after the last failure.
 _JOURNAL_TROUBLE_S: Final = 2.0
+# A commit index the leader applied reaches the followers at most this much later (with the
+# next entry, or a heartbeat brought forward; pysyncobj sent one message per follower per
+# apply for it). Under pipelined load the batcher's next proposal follows the answer within
+# a fraction of this.
+_COMMIT_NOTICE_S: Final = 0.002
 # A checkpoint the applier wants is asked for at most this often.
 _CHECKPOINT_FORCE_S: Final = 1.0
 
@@ -132,6 +142,16 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._leader_heard_at: float | None = None  # last append_entries of a current term
         self._slow_tick_log = OncePerInterval(10.0)
         super().__init__(*args, **kwargs)
+        # The tick's poll waits up to autoTickPeriod; a leader's heartbeat brought forward
+        # (the commit notice below) must not wait behind it.
+        self._poll_events = self._poller.poll
+        self._poller.poll = self._poll_until_next_send
+
+    def _poll_until_next_send(self, timeout: float) -> None:
+        if self._SyncObj__raftState == _STATE_LEADER:
+            planned: float = getattr(self, "_SyncObj__newAppendEntriesTime")  # noqa: B009
+            timeout = min(timeout, max(0.0, planned - pysyncobj_tcp_connection.monotonicTime()))
+        self._poll_events(timeout)
 
     def _sync_and_acknowledge(self) -> None:
         """fdatasync the journal once, then send every acknowledgement it made true."""
@@ -321,12 +341,12 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         #   heartbeats, and a new leader (or a restarted follower) with a long backlog that
         #   applied it in one go went silent for seconds on a loaded machine, and lost its
         #   leadership to an election before it could serve.
-        need_send = False
         last_applied = self._SyncObj__raftLastApplied
         if self._SyncObj__raftCommitIndex > last_applied:
             count = min(self._SyncObj__raftCommitIndex - last_applied, limits.APPLY_ENTRIES_MAX)
             waiting = self._SyncObj__commandsWaitingCommit
             deadline = time.monotonic() + limits.APPLY_SLICE_S
+            applied = 0
             for command, idx, term in self._SyncObj__getEntries(last_applied + 1, count):
                 try:
                     result = self._SyncObj__doApplyCommand(command)
@@ -341,11 +361,23 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                     else:
                         callback(None, FAIL_REASON.DISCARDED)
                 self._SyncObj__raftLastApplied += 1
+                applied += 1
                 if time.monotonic() >= deadline:
                     break  # the next tick goes on, after this one's network work
-            if not self._SyncObj__conf.appendEntriesUseBatch:
-                need_send = True
-        return need_send
+            if applied and self._SyncObj__raftState == _STATE_LEADER:
+                # pysyncobj (appendEntriesUseBatch=False) sends every follower an
+                # append_entries right after each apply, only to carry the new commit index:
+                # two messages per entry on the leader's tick, competing for the GIL with
+                # the answer to the publisher, and a wake-up and a tick on each follower.
+                # The next entry carries it when one follows within _COMMIT_NOTICE_S (any
+                # pipelined load); else the heartbeat is brought forward to then, so a
+                # follower applies (and serves reads of) what is committed at most that
+                # much later, not a heartbeat period later.
+                due = pysyncobj_tcp_connection.monotonicTime() + _COMMIT_NOTICE_S
+                planned: float = getattr(self, "_SyncObj__newAppendEntriesTime")  # noqa: B009
+                if planned > due:
+                    self._SyncObj__newAppendEntriesTime = due
+        return False
 
 
 def _send_next_node_idx(self: _SyncObj, *args: Any, **kwargs: Any) -> None:

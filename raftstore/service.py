@@ -412,7 +412,12 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     @streaming
     def Read(self, request: pb.ReadRequest, context: Any) -> Iterator[pb.RowBatch]:
         self._require(context, "Read", commands.Privilege.TABLE_READ, request.table)
-        group = self._group_of(request.table)
+        # Up to the end that was acknowledged: only the leader knows it at once (a follower
+        # learns the commit index with the next entry or a brought-forward heartbeat).
+        at_leader = request.end_at_leader and request.offset_to < 0
+        group = self._group_of(request.table, leader_only=at_leader)
+        if at_leader:
+            group.require_leader()
         store = group.store(request.table)
         view = group.table_view(request.table)
         end = store.row_count if request.offset_to < 0 else min(request.offset_to, store.row_count)

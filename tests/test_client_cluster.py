@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pandas as pd
 import pyarrow as pa
 import pytest
@@ -27,6 +28,7 @@ from api_clients import (
     WriterStopped,
 )
 from api_clients.buffer import DurableBuffer
+from proto import hastream_pb2 as pb
 from tests.harness import LocalCluster, assert_replicas_hold_exactly, wait_until
 
 pytestmark = pytest.mark.cluster
@@ -111,6 +113,30 @@ def test_session_whose_first_site_is_a_follower_publishes_to_the_leader(
         assert writer.getStatus().sentRows == 100
     assert cluster.row_count(leader, "ticks") == 200
     assert table_ids(cluster, leader, "ticks") == list(range(200))
+
+
+def test_a_new_session_reads_every_acknowledged_row_up_to_the_end_from_the_leader(
+    cluster: LocalCluster,
+) -> None:
+    # A follower applies what is committed a few ms after the leader answered (the commit
+    # index travels with the next entry): the end of a table is read at the leader.
+    cluster.create_table("ends", SCHEMA)
+    leader = cluster.leader()
+    follower = next(alias for alias in cluster.alive() if alias != leader)
+    with session_for(cluster, first=leader) as session:
+        publisher = Publisher(session, "ends")
+        for first in range(0, 50, 10):
+            publisher.append(frame(first, 10))
+            with session_for(cluster, first=follower) as reader:
+                assert reader.read("ends", 0).column("id").to_pylist() == list(range(first + 10))
+                assert reader.route(table="ends") == sites(cluster, leader)[0]
+    request = pb.ReadRequest(table="ends", offset_from=0, offset_to=-1, end_at_leader=True)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(cluster.stub(follower).Read(request, timeout=10))
+    metadata = dict(refused.value.trailing_metadata() or ())
+    assert metadata["hastream-error"] == "NotLeader"
+    assert json.loads(metadata["hastream-error-fields"])["leader"].endswith(f":{leader}")
+    assert table_ids(cluster, follower, "ends") == list(range(50))  # a plain read: any node
 
 
 def test_bad_rows_are_refused_before_any_network_call(

@@ -763,6 +763,23 @@ def test_read_asks_other_sites_when_a_lagging_follower_does_not_know_the_table(
     assert [len(node.calls("Read")) for node in nowhere] == [1, 1]
 
 
+def test_a_read_up_to_the_end_is_the_leaders_and_a_follower_redirects_it_at_once(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    # A follower learns the commit index a few ms after the leader answered the publisher:
+    # the end of a table is read where every acknowledged row already is.
+    follower, leader = start_node(), start_node()
+    follower.table, leader.table = rows(0, 4), rows(0, 6)
+    follower.errors["Read"] = [errors.NotLeader(leader.address, 2)]
+    with make_session(site(follower), site(leader)) as session:
+        assert session.read(TABLE, 0).equals(rows(0, 6))
+        assert session.read(TABLE, 1).equals(rows(1, 5))  # the leader, remembered
+        assert session.read(TABLE, 0, 4).equals(rows(0, 4))  # a range: any site
+    first, *_ = follower.calls("Read")
+    assert (first.end_at_leader, first.offset_to) == (True, -1)
+    assert [request.end_at_leader for request in leader.calls("Read")] == [True, True, False]
+
+
 def test_read_of_an_empty_range_returns_an_empty_table(start_node: Callable[[], FakeNode]) -> None:
     node = start_node()
     with make_session(site(node)) as session:
