@@ -46,7 +46,7 @@ from api_clients.connection import (
 from api_clients.login import TOKEN_METADATA_KEY, Login
 from api_clients.pipeline import append_result
 from api_clients.retry import BACKOFF_INITIAL_S, BACKOFF_MAX_S, Backoff
-from api_clients.transport import typed_error
+from api_clients.transport import StreamBroken, typed_error
 from api_clients.types import AppendResult, TableInfo
 from hastream.errors import InvalidArgument, RaftStoreError
 from hastream.model import OFFSET_LATEST
@@ -291,17 +291,23 @@ class AioSession:
         return first
 
     async def read(self, tableName: str, offsetFrom: int, offsetTo: int = -1) -> pa.Table:
-        """The rows `[offsetFrom, offsetTo)` (`-1`: to the end as the table is now), from any
-        replica; a broken stream is resumed where it stopped."""
+        """The rows `[offsetFrom, offsetTo)`, from any replica; `-1`: up to the end, read at
+        the leader (every acknowledged row: a follower learns of the newest a few ms later,
+        and answers NotLeader). A broken stream is resumed where it stopped."""
         info = await self.getTableInfo(tableName)
-        end = info.row_count if offsetTo < 0 else offsetTo
         parts: list[pa.Table] = []
         position = offsetFrom
         backoff = self._backoff()
-        target = self._preferred
+        to_end = offsetTo < 0
+        target = self._leaders.get(tableName, self._preferred) if to_end else self._preferred
         memory = AttemptState(target=target, sites=(), time_left=True)
-        while position < end:
-            request = hastream_pb2.ReadRequest(table=tableName, offset_from=position, offset_to=end)
+        while to_end or position < offsetTo:  # Bounded: every retry takes a wait.
+            request = hastream_pb2.ReadRequest(
+                table=tableName,
+                offset_from=position,
+                offset_to=offsetTo,
+                end_at_leader=to_end,
+            )
             try:
                 stream = self._stub(target).Read(
                     request, timeout=self._timeout_s, metadata=await self._metadata()
@@ -309,9 +315,19 @@ class AioSession:
                 async for message in stream:
                     parts.append(batches.decode(message.payload))
                     position = message.first_offset + message.row_count
+                if to_end:
+                    self._leaders[tableName] = target
+                    break
+                if position >= offsetTo:
+                    break
+                # A follower behind the range's end: asked again after a wait, as any failure.
+                error: RaftStoreError = StreamBroken(
+                    target, f"the read ended at {position} before {offsetTo}"
+                )
             except grpc.aio.AioRpcError as rpc_error:
                 error = typed_error(rpc_error, target, self._timeout_s)
-                memory, target = await self._retry_at(memory, target, error, backoff, None)
+            table = tableName if to_end else None
+            memory, target = await self._retry_at(memory, target, error, backoff, table)
         return pa.concat_tables(parts) if parts else info.schema.empty_table()
 
     async def subscribe(

@@ -57,6 +57,15 @@ def test_tables_appends_reads_and_a_subscription_through_a_leader_kill(tmp_path:
             assert received == list(range(600))
             table = await session.read("aio_t", 0)
             assert table.column("id").to_pylist() == list(range(600))
+            # Another session, first at a follower: the end is the leader's (the follower
+            # learns of the newest rows a few ms after their acknowledgement).
+            await session.append("aio_t", rows(600, 10))
+            follower = next(alias for alias in cluster.alive() if alias != cluster.leader())
+            host, port = cluster.nodes[follower].site.split(":")
+            async with await aio.connect(host, int(port), highAvailabilitySites=sites) as other:
+                assert (await other.read("aio_t", 0)).num_rows == 610
+                tail = await other.read("aio_t", 605, 610)
+                assert tail.column("id").to_pylist() == list(range(605, 610))
             cluster.start_node(leader)
             return received
 
