@@ -13,18 +13,19 @@ it (`hedge.StreamGuard`), and resumed there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 
 import pyarrow as pa
 
 from api_clients import batches, times
-from api_clients.call_policy import untried_site
+from api_clients.call_policy import AttemptState, decide
 from api_clients.hedge import StreamGuard
 from api_clients.transport import StreamBroken
 from api_clients.types import StreamOpener
 from hastream import wire
-from hastream.errors import InvalidArgument, NotLeader, RaftStoreError, TableNotFound
+from hastream.errors import InvalidArgument, RaftStoreError
 from proto import hastream_pb2
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,8 @@ def read_range(
     deadline_s: float | None = None,
     include_metadata: bool = False,
 ) -> pa.Table:
-    """The rows `[offset_from, offset_to)` of `table` (`offset_to=-1`: up to the end the
-    answering node knows), with `include_metadata` also each row's offset and ingest time
+    """The rows `[offset_from, offset_to)` of `table` (`offset_to=-1`: up to the end at the
+    table's leader), with `include_metadata` also each row's offset and ingest time
     (`times.with_metadata`). Raises the last error when the deadline passes before the
     range is complete, and non-retryable errors (OffsetOutOfRange) at once; TableNotFound once
     every known site said so (a follower may not have applied the table's creation yet)."""
@@ -53,8 +54,9 @@ def read_range(
     site = session.route(table=table)
     parts: list[pa.Table] = []
     position = offset_from
-    not_found: set[str] = set()  # sites that answered TableNotFound
-    redirected = False  # the first NotLeader hint is followed without a wait
+    # Where each retry goes is Session.call's policy (call_policy.decide): TableNotFound is
+    # believed once every known site said so, the first NotLeader hint is followed at once.
+    memory = AttemptState(target=site, sites=(), time_left=True, table_lookup=True)
     while offset_to < 0 or position < offset_to:  # Bounded: every retry takes a wait.
         request = hastream_pb2.ReadRequest(
             table=table,
@@ -68,18 +70,7 @@ def read_range(
             for rows in stream:
                 parts.append(rows)
                 position += rows.num_rows
-        except TableNotFound:
-            # E.g. a read right after another session's haStreamTable: the next untried
-            # site is asked at once, without a backoff.
-            not_found.add(site)
-            untried = untried_site(session.sites, not_found)
-            if untried is None or backoff.remaining_s() <= 0:
-                raise
-            site = untried
-            continue
         except RaftStoreError as error:
-            if not error.retryable:
-                raise
             reason: RaftStoreError = error
         else:
             if offset_to < 0:
@@ -88,16 +79,29 @@ def read_range(
             if position >= offset_to:
                 break
             reason = StreamBroken(site, f"the read ended at {position} before {offset_to}")
-        log.debug(
-            "read retry table=%s site=%s position=%d reason=%s", table, site, position, reason
+        decision = decide(
+            dataclasses.replace(
+                memory,
+                target=site,
+                sites=tuple(session.sites),
+                time_left=backoff.remaining_s() > 0,
+                hint=session.redirect_target(reason, site),
+            ),
+            reason,
         )
-        hint = session.redirect_target(reason, site)
-        if hint is not None and isinstance(reason, NotLeader) and not redirected:
-            redirected, site = True, hint
-            continue
-        if not backoff.wait():
+        log.debug(
+            "read retry table=%s site=%s position=%d reason=%s next=%s",
+            table,
+            site,
+            position,
+            reason,
+            decision.action.value,
+        )
+        if decision.forget_leader:
+            session.forget_leader(site, table=table, group=None)
+        if decision.target is None or (decision.backoff and not backoff.wait()):
             raise reason
-        site = hint if hint is not None else session.next_site(site)
+        memory, site = decision.state, decision.target
     if not parts:
         schema = session.getTableInfo(table).schema
         if include_metadata:

@@ -149,9 +149,16 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
 
     def _poll_until_next_send(self, timeout: float) -> None:
         if self._SyncObj__raftState == _STATE_LEADER:
-            planned: float = getattr(self, "_SyncObj__newAppendEntriesTime")  # noqa: B009
-            timeout = min(timeout, max(0.0, planned - pysyncobj_tcp_connection.monotonicTime()))
+            now = pysyncobj_tcp_connection.monotonicTime()
+            timeout = min(timeout, max(0.0, self._next_send_at() - now))
         self._poll_events(timeout)
+
+    def _next_send_at(self) -> float:
+        """When a leader's tick sends the followers an append_entries even with no new
+        entry (a heartbeat, or a commit notice brought forward). A method, not a property:
+        SyncObj.__init__ reads every attribute of the object before this one is set."""
+        planned: float = getattr(self, "_SyncObj__newAppendEntriesTime")  # noqa: B009
+        return planned
 
     def _sync_and_acknowledge(self) -> None:
         """fdatasync the journal once, then send every acknowledgement it made true."""
@@ -374,8 +381,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                 # follower applies (and serves reads of) what is committed at most that
                 # much later, not a heartbeat period later.
                 due = pysyncobj_tcp_connection.monotonicTime() + _COMMIT_NOTICE_S
-                planned: float = getattr(self, "_SyncObj__newAppendEntriesTime")  # noqa: B009
-                if planned > due:
+                if self._next_send_at() > due:
                     self._SyncObj__newAppendEntriesTime = due
         return False
 
