@@ -39,6 +39,13 @@ RAFT_SOCKET_BUFFER_BYTES: Final = 4 * MIB
 # entry; plus pickling and encryption): a longer declared length drops the link before
 # its bytes are buffered, and a link holding more than two such frames unparsed is dropped.
 RAFT_FRAME_BYTES_MAX: Final = RAFT_APPEND_BATCH_BYTES + ENTRY_BYTES_MAX + MIB
+# Commands of at least this many bytes travel outside their pickled append_entries message,
+# each sealed (encrypted) once and the same ciphertext sent on every link within one tick
+# (pysyncobj_patches.AesGcmEncryptor.seal_piece): pickling and sealing a message per follower
+# copied every entry twice per link.
+RAFT_SHARED_PIECE_BYTES_MIN: Final = 64 * 1024
+# Sealed pieces held for the other links until the tick ends: at most one append batch's.
+RAFT_SHARED_PIECES_BYTES_MAX: Final = RAFT_APPEND_BATCH_BYTES + ENTRY_BYTES_MAX
 # A Raft link keeps its receive buffer between frames (peer_frames.Inbox: no fresh buffer
 # per message); one grown past this for a long frame is let go once the frame is parsed.
 RAFT_INBOX_KEEP_BYTES: Final = ENTRY_BYTES_MAX + 8 * MIB

@@ -40,6 +40,7 @@ import pickle
 import socket
 import struct
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -60,7 +61,8 @@ log = logging.getLogger(__name__)
 
 # The version every patch below was written against (requirements.txt pins it).
 PYSYNCOBJ_VERSION: Final = "0.3.17"
-_AUTH_SALT: Final = b"hastream-raft-peer-aead-v2"
+# v3: split tokens (AesGcmEncryptor.seal_split); nodes of another frame format never connect.
+_AUTH_SALT: Final = b"hastream-raft-peer-aead-v3"
 # Every peer message: pysyncobj's default (2) copies every bytes object again.
 _PICKLE_PROTOCOL: Final = 5
 
@@ -174,12 +176,25 @@ class AesGcmEncryptor:
     collide across processes with odds of 2^-32 per pair. Replays within a connection are
     refused by pysyncobj (timestamps must not go back, and every message carries the
     connection's random key).
+
+    Split token (an append_entries message whose big commands travel as pieces of their
+    own, `seal_split`): marker i64 (-1, where a token has its timestamp, never negative) |
+    head token bytes u32 | piece count u32 | per piece: nonce (12), sealed bytes u64 | the
+    head token (a token as above of the pickled message without the pieces, whose
+    associated data is its timestamp followed by everything before it, so the piece table
+    is authenticated) | each piece: ciphertext | tag, with `_PIECE_AAD`. A piece's nonce
+    names its plaintext: a piece sealed once is sent unchanged on every link within a tick
+    (`seal_piece`), instead of the whole message pickled and encrypted per follower.
     """
 
     _TIMESTAMP: Final = struct.Struct("<q")
     _NONCE_BYTES: Final = 12
     _TAG_BYTES: Final = 16
     _HEAD: Final = _TIMESTAMP.size + _NONCE_BYTES
+    _SPLIT_MARKER: Final = -1
+    _SPLIT: Final = struct.Struct("<qII")  # marker, head token bytes, piece count
+    _PIECE: Final = struct.Struct("<12sQ")  # nonce, sealed bytes
+    _PIECE_AAD: Final = b"hastream-raft-piece"
 
     def __init__(self, secret: str) -> None:
         key = hashlib.pbkdf2_hmac("sha256", secret.encode(), _AUTH_SALT, 100_000, dklen=16)
@@ -187,13 +202,89 @@ class AesGcmEncryptor:
         self._nonce_prefix = os.urandom(4)
         self._counter = itertools.count()
         self._opened: tuple[bytes, bytes] | None = None  # (token, plaintext)
+        # id(plaintext) -> (plaintext, nonce, sealed): this tick's pieces (plaintext held so
+        # that its id cannot be reused while it is here).
+        self._pieces: dict[int, tuple[Any, bytes, bytes]] = {}
+        self._pieces_bytes = 0
+
+    def _nonce(self) -> bytes:
+        return self._nonce_prefix + next(self._counter).to_bytes(8, "little")
 
     def seal(self, data: bytes, current_time: int) -> tuple[bytes, bytes]:
         """The token in two pieces, head (timestamp, nonce) and ciphertext with its tag, so
         that a frame can be sent without joining them (peer_frames.Outbox)."""
         timestamp = self._TIMESTAMP.pack(current_time)
-        nonce = self._nonce_prefix + next(self._counter).to_bytes(8, "little")
+        nonce = self._nonce()
         return timestamp + nonce, self._aead.encrypt(nonce, data, timestamp)
+
+    def seal_piece(self, data: bytes) -> tuple[bytes, bytes]:
+        """(nonce, ciphertext | tag) of one piece. The same object sealed again before
+        `forget_pieces` gets the same answer, not a second encryption: the same plaintext
+        under the same nonce, so sending it on every link reuses no nonce."""
+        held = self._pieces.get(id(data))
+        if held is not None and held[0] is data:
+            return held[1], held[2]
+        nonce = self._nonce()
+        sealed = self._aead.encrypt(nonce, data, self._PIECE_AAD)
+        if self._pieces_bytes + len(sealed) <= limits.RAFT_SHARED_PIECES_BYTES_MAX:
+            self._pieces[id(data)] = (data, nonce, sealed)
+            self._pieces_bytes += len(sealed)
+        return nonce, sealed
+
+    def forget_pieces(self) -> None:
+        """Let this tick's sealed pieces go (the links' outboxes hold what is unsent)."""
+        self._pieces.clear()
+        self._pieces_bytes = 0
+
+    def seal_split(self, head: bytes, pieces: list[Any], current_time: int) -> list[bytes]:
+        """A split token's parts: the pickled message without its pieces, and the pieces
+        (bytes-like, in the order the message's out-of-band buffers were pickled)."""
+        sealed = [self.seal_piece(piece) for piece in pieces]
+        head_bytes = self._HEAD + len(head) + self._TAG_BYTES
+        table = self._SPLIT.pack(self._SPLIT_MARKER, head_bytes, len(sealed)) + b"".join(
+            self._PIECE.pack(nonce, len(ciphertext)) for nonce, ciphertext in sealed
+        )
+        timestamp = self._TIMESTAMP.pack(current_time)
+        nonce = self._nonce()
+        head_sealed = self._aead.encrypt(nonce, head, timestamp + table)
+        return [table + timestamp + nonce, head_sealed, *(ciphertext for _, ciphertext in sealed)]
+
+    @classmethod
+    def is_split(cls, token: bytes | memoryview) -> bool:
+        return (
+            len(token) >= cls._SPLIT.size
+            and cls._TIMESTAMP.unpack_from(token)[0] == cls._SPLIT_MARKER
+        )
+
+    def open_split(self, token: bytes | memoryview) -> tuple[int, bytes, list[bytes]]:
+        """(timestamp, head plaintext, pieces' plaintexts) of a split token; raises
+        InvalidTag on a forged or damaged one, ValueError on one whose layout is wrong. The
+        head (and with it the piece table) is authenticated before any piece is opened."""
+        view = memoryview(token)
+        _, head_bytes, count = self._SPLIT.unpack_from(view)
+        table_end = self._SPLIT.size + count * self._PIECE.size
+        pieces_at = table_end + head_bytes
+        if head_bytes < self._HEAD + self._TAG_BYTES or pieces_at > len(view):
+            raise ValueError("split token layout")
+        table = bytes(view[:table_end])
+        timestamp = bytes(view[table_end : table_end + self._TIMESTAMP.size])
+        nonce = bytes(view[table_end + self._TIMESTAMP.size : table_end + self._HEAD])
+        head = self._aead.decrypt(
+            nonce, view[table_end + self._HEAD : pieces_at], timestamp + table
+        )
+        pieces = []
+        at = pieces_at
+        for piece_nonce, sealed_bytes in self._PIECE.iter_unpack(table[self._SPLIT.size :]):
+            if sealed_bytes < self._TAG_BYTES or at + sealed_bytes > len(view):
+                raise ValueError("split token layout")
+            pieces.append(
+                self._aead.decrypt(piece_nonce, view[at : at + sealed_bytes], self._PIECE_AAD)
+            )
+            at += sealed_bytes
+        if at != len(view):
+            raise ValueError("split token layout")
+        (value,) = self._TIMESTAMP.unpack(timestamp)
+        return int(value), head, pieces
 
     def open(self, token: bytes | memoryview) -> tuple[int, bytes]:
         """(timestamp, plaintext) of a token; raises cryptography's InvalidTag on a forged
@@ -340,12 +431,11 @@ def _connection_send(self: Any, message: Any) -> None:
     # buffer is otherwise unbounded while a peer does not read.
     if self.sendRandKey:
         message = (self.sendRandKey, message)
-    data = pickle.dumps(message, protocol=_PICKLE_PROTOCOL)
     encryptor = self.encryptor
     if encryptor is None:
-        pieces: tuple[bytes, ...] = (data,)
+        pieces: Sequence[bytes] = (pickle.dumps(message, protocol=_PICKLE_PROTOCOL),)
     else:
-        pieces = encryptor.seal(data, int(pysyncobj_tcp_connection.monotonicTime()))
+        pieces = _sealed(encryptor, message, int(pysyncobj_tcp_connection.monotonicTime()))
     _outbox(self).add_frame(pieces)
     self._TcpConnection__trySendBuffer()  # its timeout check sees the previous send
     self._hastream_last_send = pysyncobj_tcp_connection.monotonicTime()
@@ -355,6 +445,46 @@ def _connection_send(self: Any, message: Any) -> None:
         self.disconnect()
     elif unsent:
         _poll_for_write(self)
+
+
+def _sealed(encryptor: AesGcmEncryptor, message: Any, now: int) -> Sequence[bytes]:
+    """One message's frame body. An append_entries whose commands include big ones is a
+    split token: those commands are pickled out of band (protocol 5's PickleBuffer) and
+    sealed once for every link of this tick (`AesGcmEncryptor.seal_piece`); anything else
+    is one token of the whole pickled message, as pysyncobj's."""
+    pieces: list[Any] = []
+    outer = _with_pieces_out_of_band(message, pieces)
+    if not pieces:
+        return encryptor.seal(pickle.dumps(message, protocol=_PICKLE_PROTOCOL), now)
+    head = pickle.dumps(outer, protocol=_PICKLE_PROTOCOL, buffer_callback=_out_of_band)
+    return encryptor.seal_split(head, pieces, now)
+
+
+def _with_pieces_out_of_band(message: Any, pieces: list[Any]) -> Any:
+    """`message` ((link key, body) or body) with each big command of an append_entries body
+    wrapped in a PickleBuffer and listed in `pieces`, in pickling order; `message` itself
+    (not copied) when it has none."""
+    keyed = type(message) is tuple
+    body = message[1] if keyed else message
+    if type(body) is not dict or body.get("type") != "append_entries":
+        return message
+    entries = body.get("entries")
+    if not entries or not any(
+        len(entry[0]) >= limits.RAFT_SHARED_PIECE_BYTES_MIN for entry in entries
+    ):
+        return message
+    wrapped = []
+    for command, index, term in entries:
+        if len(command) >= limits.RAFT_SHARED_PIECE_BYTES_MIN:
+            pieces.append(command)
+            command = pickle.PickleBuffer(command)
+        wrapped.append((command, index, term))
+    body = {**body, "entries": wrapped}
+    return (message[0], body) if keyed else body
+
+
+def _out_of_band(_buffer: pickle.PickleBuffer) -> bool:
+    return False  # every PickleBuffer travels as a piece of its own
 
 
 def _poll_for_write(connection: Any) -> None:
@@ -430,14 +560,18 @@ def _connection_parse(self: Any) -> Any:
         return None
     try:
         encryptor = self.encryptor
+        pieces: list[bytes] = []
         if encryptor is None:
             data: bytes | memoryview = frame
         else:
-            timestamp, data = encryptor.open(frame)
+            if encryptor.is_split(frame):
+                timestamp, data, pieces = encryptor.open_split(frame)
+            else:
+                timestamp, data = encryptor.open(frame)
             if timestamp < self.recvLastTimestamp:
                 raise ValueError("timestamp went back")
             self.recvLastTimestamp = timestamp
-        message = pickle.loads(data)
+        message = pickle.loads(data, buffers=pieces)
         if self.recvRandKey:
             key, message = message
             if key != self.recvRandKey:

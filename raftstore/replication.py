@@ -218,6 +218,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._replica.check_rejoined()
         self._replica.observe_leader()
         self._replica.drive_transfer()
+        if self.encryptor is not None:
+            self.encryptor.forget_pieces()  # this tick's frames are queued on their links
 
     def _note_slow_tick(self, held_s: float) -> None:
         """A tick that held the thread for half an election timeout is logged: heartbeats

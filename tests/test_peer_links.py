@@ -167,6 +167,57 @@ def test_messages_of_any_size_cross_a_link_whole_and_in_order() -> None:
         receiver.disconnect()
 
 
+class _CountingAead:
+    """AESGCM that counts the encryptions of split-token pieces."""
+
+    def __init__(self, aead: object) -> None:
+        self.aead = aead
+        self.pieces_sealed = 0
+
+    def encrypt(self, nonce: bytes, data: bytes, associated: bytes) -> bytes:
+        if associated == pysyncobj_patches.AesGcmEncryptor._PIECE_AAD:
+            self.pieces_sealed += 1
+        return self.aead.encrypt(nonce, data, associated)  # type: ignore[attr-defined, no-any-return]
+
+    def decrypt(self, nonce: bytes, data: bytes, associated: bytes) -> bytes:
+        return self.aead.decrypt(nonce, data, associated)  # type: ignore[attr-defined, no-any-return]
+
+
+def test_a_leader_seals_an_entry_once_for_all_its_followers() -> None:
+    """One encryptor for every link of a Raft group, as pysyncobj's SyncObj has: an entry sent
+    to two followers in one tick is encrypted once, and each follower gets it whole, between
+    and after messages that travel as one token."""
+    poller = PollPoller()
+    received: list[list[object]] = [[], []]
+    pairs = [_connected_pair(poller, received[0]), _connected_pair(poller, received[1])]
+    leader = pysyncobj_patches.AesGcmEncryptor("link-secret")
+    counting = _CountingAead(leader._aead)
+    leader._aead = counting  # type: ignore[assignment]
+    for sender, receiver in pairs:
+        sender.encryptor = leader
+        receiver.encryptor = pysyncobj_patches.AesGcmEncryptor("link-secret")
+    entry = (b"e" * (3 << 20), 9, 2)
+    ticks = [
+        {"type": "append_entries", "entries": [(b"small", 8, 2), entry]},
+        {"type": "append_entries", "term": 2, "commit_index": 9},
+        {"type": "append_entries", "entries": [(b"x" * (1 << 20), 10, 2), (b"y" * 10, 11, 2)]},
+    ]
+    try:
+        for message in ticks:
+            for sender, _ in pairs:
+                sender.send(message)
+            leader.forget_pieces()  # the tick ends (replication._SyncObj._onTick)
+        deadline = time.monotonic() + 30
+        while any(len(got) < len(ticks) for got in received) and time.monotonic() < deadline:
+            poller.poll(0.05)
+        assert received == [ticks, ticks]
+        assert counting.pieces_sealed == 2  # the 3 MiB and the 1 MiB command, once each
+    finally:
+        for sender, receiver in pairs:
+            sender.disconnect()
+            receiver.disconnect()
+
+
 def test_a_frame_larger_than_the_socket_buffers_goes_out_whole_with_no_later_send() -> None:
     """pysyncobj polls a link for writability only until its buffer first runs empty; a
     later frame that does not fit the socket's buffers must still go out whole, through the
