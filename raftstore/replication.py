@@ -37,7 +37,9 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
    authenticated with a key from the cluster secret (`pysyncobj_patches.AesGcmEncryptor`,
    replacing Fernet: the tag is what stops remote code execution, and AES-GCM costs a
    fraction of Fernet's AES-CBC + HMAC + base64 on multi-MiB batches). A frame longer than
-   `RAFT_FRAME_BYTES_MAX` drops the link before its bytes are buffered.
+   `RAFT_FRAME_BYTES_MAX` drops the link before its bytes are buffered. An entry's big
+   commands are sealed once and sent unchanged to every follower within a tick (split
+   tokens); the encryptor lets them go at the end of each tick (`_onTick`).
 7. Commit notices. With appendEntriesUseBatch=False pysyncobj sends every follower an
    append_entries after every apply, only to carry the new commit index; here the next
    entry carries it, or a heartbeat brought forward to `_COMMIT_NOTICE_S` after the apply
