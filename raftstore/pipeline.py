@@ -68,7 +68,7 @@ class StreamedPublish:
     table: str
     producer_id: bytes
     sequence: int
-    payload: bytes
+    payload: bytes | memoryview  # a view of the received message (publish_wire)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from hastream.errors import (
 from hastream.model import LOCAL_GROUP, topic_name
 from proto import hastream_pb2 as pb
 from proto import hastream_pb2_grpc
-from raftstore import access, commands, limits, passwords, routing, trace
+from raftstore import access, commands, limits, passwords, publish_wire, routing, trace
 from raftstore.admission import StreamSlots
 from raftstore.auth import Authenticator, Principal
 from raftstore.catalog import Catalog
@@ -210,11 +210,14 @@ def publish_response(lsn: int, result: ItemResult, sequence: int = 0) -> pb.Publ
     )
 
 
-def _streamed_publishes(messages: Iterator[pb.PublishBatch]) -> Iterator[list[StreamedPublish]]:
-    """The stream's requests as the domain's, message by message; ends when the client
-    half-closes or the call ends under the reader (cancelled, aborted)."""
+def _streamed_publishes(
+    messages: Iterator[list[publish_wire.PublishView]],
+) -> Iterator[list[StreamedPublish]]:
+    """The stream's requests (each message a PublishBatch read by publish_wire) as the
+    domain's, message by message; ends when the client half-closes or the call ends under
+    the reader (cancelled, aborted)."""
     try:
-        for message in messages:
+        for requests in messages:
             yield [
                 StreamedPublish(
                     table=request.table,
@@ -222,7 +225,7 @@ def _streamed_publishes(messages: Iterator[pb.PublishBatch]) -> Iterator[list[St
                     sequence=request.sequence,
                     payload=request.payload,
                 )
-                for request in message.requests
+                for request in requests
             ]
     except grpc.RpcError as error:
         log.debug("publish stream ended while reading error=%r", error)
@@ -348,7 +351,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     # --- data ---
 
     @unary
-    def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
+    def Publish(self, request: publish_wire.PublishView, context: Any) -> pb.PublishResponse:
         self._require(context, "Publish", commands.Privilege.TABLE_WRITE, request.table)
         if request.producer_id and len(request.producer_id) != 16:
             raise InvalidArgument("producer_id", "must be empty or exactly 16 bytes")
@@ -367,7 +370,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
 
     @streaming
     def PublishStream(
-        self, request_iterator: Iterator[pb.PublishBatch], context: Any
+        self, request_iterator: Iterator[list[publish_wire.PublishView]], context: Any
     ) -> Iterator[pb.PublishAcks]:
         principal = self._principal(context, "PublishStream")
         authenticator = self._node.authenticator
@@ -703,6 +706,31 @@ def _access_command(request: pb.AccessRequest) -> commands.Command:
 GRPC_WORKERS: Final = limits.STREAMS_MAX + limits.UNARY_WORKERS
 
 
+class _PublishViews(grpc.ServerInterceptor):
+    """Publish and PublishStream requests are read by `publish_wire` (the payload a view of
+    the received bytes) instead of protobuf's parser, which copies it twice. The handlers
+    are the generated ones with only their request deserializer replaced."""
+
+    _PARSERS: Final = {
+        "/hastream.v1.StreamTable/Publish": publish_wire.parse_publish,
+        "/hastream.v1.StreamTable/PublishStream": publish_wire.parse_publish_batch,
+    }
+
+    def __init__(self) -> None:
+        self._replaced: dict[int, tuple[Any, Any]] = {}  # id(generated) -> (it, replaced)
+
+    def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        parser = self._PARSERS.get(handler_call_details.method)
+        if parser is None or handler is None:
+            return handler
+        held = self._replaced.get(id(handler))
+        if held is None or held[0] is not handler:
+            held = (handler, handler._replace(request_deserializer=parser))
+            self._replaced[id(handler)] = held
+        return held[1]
+
+
 def start_server(
     node: NodeView,
     address: str,
@@ -727,6 +755,7 @@ def start_server(
             ("grpc.http2.max_ping_strikes", 0),
         ],
         maximum_concurrent_rpcs=GRPC_WORKERS - 4,
+        interceptors=[_PublishViews()],
     )
     hastream_pb2_grpc.add_StreamTableServicer_to_server(StreamTableService(node), server)
     if health is not None:

@@ -194,7 +194,7 @@ NODE_LAYERS: dict[str, int] = {
     **dict.fromkeys(
         ("commands", "dedup", "state_machine", "storage/format", "storage/group_checkpoint"), 1
     ),
-    **dict.fromkeys(("access",), 1),
+    **dict.fromkeys(("access", "publish_wire"), 1),
     **dict.fromkeys(
         ("storage/files", "storage/checkpoint", "storage/journal", "storage/segments"), 2
     ),
