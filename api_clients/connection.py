@@ -31,7 +31,14 @@ import pyarrow as pa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from api_clients import admin, times, transport
-from api_clients.call_policy import Action, AttemptState, decide, hedgeable, leader_named
+from api_clients.call_policy import (
+    Action,
+    AttemptState,
+    Decision,
+    decide,
+    hedgeable,
+    leader_named,
+)
 from api_clients.hedge import HEDGE_DELAY_S_DEFAULT, AttemptMonitor, LeaderWatch
 from api_clients.login import Login, TokenInterceptor
 from api_clients.reader import read_range
@@ -388,26 +395,9 @@ class Session:
                     method_name, request, target, timeout_s, hedged, table=table, group=group
                 )
             except RaftStoreError as error:
-                hint = None if pinned else self.redirect_target(error, target)
-                decision = decide(
-                    dataclasses.replace(
-                        memory,
-                        target=target,
-                        sites=tuple(self.sites),
-                        time_left=backoff.remaining_s() > 0,
-                        hint=hint,
-                    ),
-                    error,
+                decision = self.after_failure(
+                    memory, target, error, backoff, table=table, group=group, pinned=pinned
                 )
-                log.debug(
-                    "call failed method=%s site=%s error=%s next=%s",
-                    method_name,
-                    target,
-                    error,
-                    decision.action.value,
-                )
-                if decision.forget_leader:
-                    self.forget_leader(target, table=table, group=group)
                 if decision.action is Action.DONE:
                     return None
                 if decision.target is None or (decision.backoff and not backoff.wait()):
@@ -421,6 +411,43 @@ class Session:
                 else:
                     self._remember_alive(target)
                 return response
+
+    def after_failure(
+        self,
+        memory: AttemptState,
+        target: str,
+        error: RaftStoreError,
+        backoff: Backoff,
+        *,
+        table: str | None,
+        group: int | None,
+        pinned: bool = False,
+    ) -> Decision:
+        """Where the attempt after `error` on `target` goes (`call_policy.decide`, with the
+        hint the error gives unless the call is `pinned` to one site); forgets `target` as
+        the leader when the policy says so. The one retry step of `call` and of the
+        streaming calls that retry by the same rules (`reader.read_range`); the caller
+        raises when `decision.target` is None or its backoff runs out."""
+        decision = decide(
+            dataclasses.replace(
+                memory,
+                target=target,
+                sites=tuple(self.sites),
+                time_left=backoff.remaining_s() > 0,
+                hint=None if pinned else self.redirect_target(error, target),
+            ),
+            error,
+        )
+        log.debug(
+            "attempt failed site=%s table=%s error=%s next=%s",
+            target,
+            table,
+            error,
+            decision.action.value,
+        )
+        if decision.forget_leader:
+            self.forget_leader(target, table=table, group=group)
+        return decision
 
     def _attempt(
         self,

@@ -13,14 +13,13 @@ it (`hedge.StreamGuard`), and resumed there.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterator
 
 import pyarrow as pa
 
 from api_clients import batches, times
-from api_clients.call_policy import AttemptState, decide
+from api_clients.call_policy import AttemptState
 from api_clients.hedge import StreamGuard
 from api_clients.transport import StreamBroken
 from api_clients.types import StreamOpener
@@ -54,7 +53,7 @@ def read_range(
     site = session.route(table=table)
     parts: list[pa.Table] = []
     position = offset_from
-    # Where each retry goes is Session.call's policy (call_policy.decide): TableNotFound is
+    # Where each retry goes is Session.call's step (Session.after_failure): TableNotFound is
     # believed once every known site said so, the first NotLeader hint is followed at once.
     memory = AttemptState(target=site, sites=(), time_left=True, table_lookup=True)
     while offset_to < 0 or position < offset_to:  # Bounded: every retry takes a wait.
@@ -79,26 +78,7 @@ def read_range(
             if position >= offset_to:
                 break
             reason = StreamBroken(site, f"the read ended at {position} before {offset_to}")
-        decision = decide(
-            dataclasses.replace(
-                memory,
-                target=site,
-                sites=tuple(session.sites),
-                time_left=backoff.remaining_s() > 0,
-                hint=session.redirect_target(reason, site),
-            ),
-            reason,
-        )
-        log.debug(
-            "read retry table=%s site=%s position=%d reason=%s next=%s",
-            table,
-            site,
-            position,
-            reason,
-            decision.action.value,
-        )
-        if decision.forget_leader:
-            session.forget_leader(site, table=table, group=None)
+        decision = session.after_failure(memory, site, reason, backoff, table=table, group=None)
         if decision.target is None or (decision.backoff and not backoff.wait()):
             raise reason
         memory, site = decision.state, decision.target

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
+from api_clients.call_policy import AttemptState, Decision
 from api_clients.hedge import LeaderWatch
 from api_clients.retry import Backoff, Sleep
 from api_clients.transport import Stream
@@ -115,6 +116,18 @@ class StreamOpener(Protocol):
     def remember_leader(self, site: str, *, table: str | None, group: int | None) -> None: ...
 
     def forget_leader(self, site: str, *, table: str | None, group: int | None) -> None: ...
+
+    def after_failure(
+        self,
+        memory: AttemptState,
+        target: str,
+        error: RaftStoreError,
+        backoff: Backoff,
+        *,
+        table: str | None,
+        group: int | None,
+        pinned: bool = False,
+    ) -> Decision: ...
 
     def open_stream(
         self, site: str, method_name: str, request: Any, *, timeout_s: float | None = None

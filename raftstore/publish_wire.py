@@ -25,6 +25,7 @@ _FIXED64: Final = 1
 _LENGTH_DELIMITED: Final = 2
 _FIXED32: Final = 5
 _VARINT_BYTES_MAX: Final = 10
+_FIXED_WIDTHS: Final = {_FIXED64: 8, _FIXED32: 4}
 
 # PublishRequest (proto/hastream.proto): field number -> wire type.
 _TABLE: Final = 1
@@ -140,7 +141,7 @@ def _skip(view: memoryview, wire_type: int, at: int, end: int) -> int:
         return _varint(view, at, end)[1]
     if wire_type == _LENGTH_DELIMITED:
         return _length_delimited(view, at, end)[1]
-    width = {_FIXED64: 8, _FIXED32: 4}.get(wire_type)
+    width = _FIXED_WIDTHS.get(wire_type)
     if width is None:
         raise WireError(f"wire type {wire_type}")
     if at + width > end:

@@ -468,17 +468,14 @@ def _with_pieces_out_of_band(message: Any, pieces: list[Any]) -> Any:
     body = message[1] if keyed else message
     if type(body) is not dict or body.get("type") != "append_entries":
         return message
-    entries = body.get("entries")
-    if not entries or not any(
-        len(entry[0]) >= limits.RAFT_SHARED_PIECE_BYTES_MIN for entry in entries
-    ):
-        return message
     wrapped = []
-    for command, index, term in entries:
+    for command, index, term in body.get("entries") or ():
         if len(command) >= limits.RAFT_SHARED_PIECE_BYTES_MIN:
             pieces.append(command)
             command = pickle.PickleBuffer(command)
         wrapped.append((command, index, term))
+    if not pieces:
+        return message
     body = {**body, "entries": wrapped}
     return (message[0], body) if keyed else body
 

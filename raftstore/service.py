@@ -716,19 +716,12 @@ class _PublishViews(grpc.ServerInterceptor):
         "/hastream.v1.StreamTable/PublishStream": publish_wire.parse_publish_batch,
     }
 
-    def __init__(self) -> None:
-        self._replaced: dict[int, tuple[Any, Any]] = {}  # id(generated) -> (it, replaced)
-
     def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
         parser = self._PARSERS.get(handler_call_details.method)
         if parser is None or handler is None:
             return handler
-        held = self._replaced.get(id(handler))
-        if held is None or held[0] is not handler:
-            held = (handler, handler._replace(request_deserializer=parser))
-            self._replaced[id(handler)] = held
-        return held[1]
+        return handler._replace(request_deserializer=parser)
 
 
 def start_server(
