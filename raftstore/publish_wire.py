@@ -9,10 +9,10 @@ is a memoryview into the received message, which it keeps alive until the entry 
 
 The reader accepts what protobuf's parser accepts for these messages: fields in any order, a
 repeated scalar field's last occurrence wins, unknown fields (and a known field number with
-another wire type) are skipped. What it cannot read (a truncated field, a varint past 10
-bytes, a group, field number 0, a table name that is not UTF-8) raises `WireError`; gRPC
-then answers the call INTERNAL ("Exception deserializing request!") and nothing is
-published, as for protobuf's own DecodeError.
+another wire type) are skipped. What it refuses (a truncated field, a varint past 10 bytes,
+a key or a length past 5 bytes, a key past 32 bits, a group, field number 0, a table name
+that is not UTF-8) raises `WireError`; gRPC then answers the call INTERNAL ("Exception
+deserializing request!") and nothing is published, as for protobuf's own DecodeError.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ _FIXED64: Final = 1
 _LENGTH_DELIMITED: Final = 2
 _FIXED32: Final = 5
 _VARINT_BYTES_MAX: Final = 10
+# upb reads a field's key and a length as at most 5 bytes (32 bits) and refuses longer ones,
+# even when the value is small (an overlong encoding); a key past 32 bits is refused too.
+_SHORT_VARINT_BYTES_MAX: Final = 5
+_KEY_MAX: Final = 0xFFFF_FFFF
 _FIXED_WIDTHS: Final = {_FIXED64: 8, _FIXED32: 4}
 
 # PublishRequest (proto/hastream.proto): field number -> wire type.
@@ -109,9 +113,11 @@ def _request(view: memoryview, at: int, end: int) -> PublishView:
     return PublishView(name, payload, producer_id, sequence)
 
 
-def _varint(view: memoryview, at: int, end: int) -> tuple[int, int]:
+def _varint(
+    view: memoryview, at: int, end: int, bytes_max: int = _VARINT_BYTES_MAX
+) -> tuple[int, int]:
     value = shift = 0
-    for position in range(at, min(end, at + _VARINT_BYTES_MAX)):
+    for position in range(at, min(end, at + bytes_max)):
         byte = view[position]
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
@@ -121,7 +127,9 @@ def _varint(view: memoryview, at: int, end: int) -> tuple[int, int]:
 
 
 def _key(view: memoryview, at: int, end: int) -> tuple[int, int, int]:
-    key, at = _varint(view, at, end)
+    key, at = _varint(view, at, end, _SHORT_VARINT_BYTES_MAX)
+    if key > _KEY_MAX:
+        raise WireError("field key past 32 bits")
     field, wire_type = key >> 3, key & 7
     if field == 0:
         raise WireError("field number 0")
@@ -130,7 +138,7 @@ def _key(view: memoryview, at: int, end: int) -> tuple[int, int, int]:
 
 def _length_delimited(view: memoryview, at: int, end: int) -> tuple[int, int]:
     """(start, end) of a length-delimited field's bytes, whose length starts at `at`."""
-    length, start = _varint(view, at, end)
+    length, start = _varint(view, at, end, _SHORT_VARINT_BYTES_MAX)
     if length > end - start:
         raise WireError("field runs past the message")
     return start, start + length

@@ -74,6 +74,9 @@ def test_unknown_fields_are_skipped_and_the_last_occurrence_wins() -> None:
         (bytes([5 << 3 | 3]), "wire type 3"),  # a group
         (bytes([0 << 3 | 0, 1]), "field number 0"),
         (bytes([7 << 3 | 5, 1, 2]), "past the message"),  # fixed32 cut short
+        (b"\x80\x80\x80\x80\x10\x00", "past 32 bits"),  # key 2**32 (found by hypothesis)
+        (b"\xa8\x80\x80\x80\x80\x00\x05", "varint"),  # key 21 in 6 bytes
+        (b"\x12\x81\x80\x80\x80\x80\x00x", "varint"),  # payload length 1 in 6 bytes
     ],
 )
 def test_malformed_requests_raise_wire_error_as_protobuf_raises(data: bytes, detail: str) -> None:
@@ -98,12 +101,82 @@ def test_a_known_field_with_another_wire_type_is_skipped_as_protobuf_skips_it() 
     assert len(pb.PublishBatch.FromString(bytes([1 << 3 | 0, 1])).requests) == 0
 
 
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xa8\x80\x80\x80\x00\x05",  # key 21 in 5 bytes
+        b"\x12\x81\x80\x80\x80\x00x",  # payload length 1 in 5 bytes
+        b"\xf8\xff\xff\xff\x0f\x00",  # the largest field number
+        b"\x20\x85" + b"\x80" * 8 + b"\x7f",  # a 10-byte sequence past 64 bits, truncated
+    ],
+)
+def test_long_but_valid_encodings_read_as_protobuf_reads_them(data: bytes) -> None:
+    assert _fields(parse_publish(data)) == _fields(pb.PublishRequest.FromString(data))
+
+
+def _varint_bytes(value: int, padding: int) -> bytes:
+    """`value` as a varint, made `padding` bytes longer by overlong encoding."""
+    out = bytearray()
+    while True:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+        if not value:
+            break
+    out.extend(b"\x80" * padding)
+    out[-1] &= 0x7F
+    return bytes(out)
+
+
+# Wire-shaped bytes: keys and lengths near the limits, overlong varints, small fields.
+wire_pieces = st.one_of(
+    st.builds(
+        _varint_bytes,
+        st.one_of(
+            st.integers(0, 2**64 - 1),
+            st.integers(0, 40),
+            st.integers(2**32 - 8, 2**32 + 8),
+            st.builds(lambda field, kind: field << 3 | kind, st.integers(0, 12), st.integers(0, 7)),
+        ),
+        st.integers(0, 6),
+    ),
+    st.binary(max_size=6),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(wire_pieces, max_size=8))
+def test_any_wire_shaped_bytes_either_read_as_protobuf_reads_them_or_raise_wire_error(
+    pieces: list[bytes],
+) -> None:
+    _reads_as_protobuf_or_raises_wire_error(b"".join(pieces))
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.binary(max_size=64))
 def test_any_bytes_either_read_as_protobuf_reads_them_or_raise_wire_error(data: bytes) -> None:
+    _reads_as_protobuf_or_raises_wire_error(data)
+
+
+def _reads_as_protobuf_or_raises_wire_error(data: bytes) -> None:
     try:
         ours = parse_publish(data)
     except WireError:
         return
     # What we accept, protobuf accepts and reads the same.
     assert _fields(ours) == _fields(pb.PublishRequest.FromString(data))
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(wire_pieces, max_size=8), framed=st.booleans())
+def test_any_wire_shaped_batch_either_reads_as_protobuf_reads_it_or_raises_wire_error(
+    pieces: list[bytes], framed: bool
+) -> None:
+    data = b"".join(pieces)
+    if framed:  # the pieces as one request of the batch
+        data = b"\x0a" + _varint_bytes(len(data), 0) + data
+    try:
+        ours = parse_publish_batch(data)
+    except WireError:
+        return
+    theirs = pb.PublishBatch.FromString(data).requests
+    assert [_fields(r) for r in ours] == [_fields(r) for r in theirs]
