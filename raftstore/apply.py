@@ -294,7 +294,7 @@ class Applier:
                 effect.table, f"rows [{first},{end}) straddle the end of the files ({have})"
             )
         try:
-            store.append(effect.lsn, first, effect.batch, effect.timestamp_ms)
+            store.append(effect.lsn, first, effect.batch, effect.timestamp_ms, effect.encoded)
         except CorruptionError as error:  # a failed write that could not be cut back
             self._reopen(effect.table, store, error)
             raise OSError(f"write to {effect.table} failed: {error.detail}") from error

@@ -69,18 +69,27 @@ class TableStore:
 
     # --- writes (the applier's thread) ---
 
-    def append(self, lsn: int, first_offset: int, batch: pa.RecordBatch, timestamp_ms: int) -> None:
+    def append(
+        self,
+        lsn: int,
+        first_offset: int,
+        batch: pa.RecordBatch,
+        timestamp_ms: int,
+        encoded: memoryview | None = None,
+    ) -> None:
         """Write rows [first_offset, first_offset + num_rows), which must follow the last
-        (the applier decides what a replay skips). Raises OSError from the disk (nothing
-        written), CorruptionError if an earlier failed write could not be undone."""
-        payload = batch.serialize()
+        (the applier decides what a replay skips); `encoded`, when given, is `batch` as an
+        encapsulated IPC message, written instead of serializing it again (no copy of the
+        rows). Raises OSError from the disk (nothing written), CorruptionError if an earlier
+        failed write could not be undone."""
+        payload = memoryview(batch.serialize()) if encoded is None else encoded
         self.log.append(
             DataRecord(
                 lsn=lsn,
                 first_offset=first_offset,
                 row_count=batch.num_rows,
                 timestamp_ms=timestamp_ms,
-                payload=memoryview(payload),
+                payload=payload,
             )
         )
         entry = CacheEntry(

@@ -343,6 +343,53 @@ def test_single_batch_is_not_copied() -> None:
 
 
 @pytest.mark.unit
+def test_a_batch_published_as_one_message_is_stored_as_sent() -> None:
+    """The data file writes the publisher's message (a view of the entry), not a new
+    serialization; for a pyarrow publisher these are the same bytes."""
+    driver = _driver(_create("trades", key_column=None))
+    entry = commands.encode(Append(TS, (_item("trades", list(range(50))),)))
+    effects, _ = driver.machine.apply(driver.machine.lsn_applied + 1, commands.decode(entry))
+    (effect,) = effects
+    assert isinstance(effect, AppendRecords)
+    assert effect.encoded is not None
+    assert bytes(effect.encoded) == effect.batch.serialize().to_pybytes()
+    entry_buffer, encoded = pa.py_buffer(entry), pa.py_buffer(effect.encoded)
+    assert entry_buffer.address <= encoded.address < entry_buffer.address + entry_buffer.size
+
+
+@pytest.mark.unit
+def test_a_batch_built_on_apply_is_serialized_again() -> None:
+    keyed = _driver(_create("trades"))
+    keyed.append(_item("trades", [1, 2]))  # stored as sent
+    keyed.append(_item("trades", [2, 3]))  # one duplicate dropped: a new batch
+    keyed.append(_item("trades", [4], [5]))  # two batches combined
+    stored_as_sent = [isinstance(e, AppendRecords) and e.encoded is not None for e in keyed.effects]
+    assert stored_as_sent == [True, False, False]
+    other = _driver(_create("trades", key_column=None))
+    tagged = SCHEMA.with_metadata({b"pandas": b"{}"})  # read from a stream of another schema
+    other.append(AppendItem("trades", b"", 0, _payload([1], schema=tagged)))
+    (effect,) = other.effects
+    assert isinstance(effect, AppendRecords)
+    assert effect.encoded is None
+
+
+@pytest.mark.unit
+def test_a_compressed_message_is_stored_as_sent_and_reads_back_the_same_rows() -> None:
+    driver = _driver(_create("trades", key_column=None))
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression="lz4")
+    with pa.ipc.new_stream(sink, SCHEMA, options=options) as writer:
+        writer.write_batch(_batch(list(range(100))))
+    (result,) = driver.append(AppendItem("trades", b"", 0, sink.getvalue().to_pybytes()))
+    assert result.error is None
+    (effect,) = driver.effects
+    assert isinstance(effect, AppendRecords)
+    assert effect.encoded is not None
+    read = pa.ipc.read_record_batch(pa.py_buffer(effect.encoded), SCHEMA)
+    assert read.equals(_batch(list(range(100))))
+
+
+@pytest.mark.unit
 def test_schema_metadata_is_ignored_and_records_carry_the_table_schema() -> None:
     driver = _driver(_create("trades", key_column=None))
     tagged = SCHEMA.with_metadata({b"pandas": b"{}"})
