@@ -85,6 +85,9 @@ RECORD_BYTES_MAX: Final = ENTRY_BYTES_MAX
 # (sync_file_range; RocksDB's bytes_per_sync), so a checkpoint's fsync does not find up to
 # RAFT_LOG_BYTES_MAX of dirty pages per node all at once.
 DATA_WRITEBACK_BYTES: Final = 4 * MIB
+# A journal lets the page cache forget what its fdatasyncs made durable once this much has
+# gathered (storage/files.py Files.drop_cached: the next writes reuse those pages).
+JOURNAL_DROP_BEHIND_BYTES: Final = 1 * MIB
 # Data files waiting for the writeback thread to start their writeback; beyond it a request
 # is dropped (the checkpoint's fsync does that file's work).
 WRITEBACK_QUEUE_MAX: Final = 256

@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from deploy.local_cluster import wait_until
 from raftstore.storage.files import (
     FILE_MODE,
+    PAGE_BYTES,
     REAL_FILES,
     Fault,
     Files,
@@ -504,6 +505,7 @@ class _GatedFiles(SimFiles):
         super().__init__()
         self.gate = threading.Event()
         self.started: list[int] = []
+        self.dropped: list[tuple[int, int, int]] = []
         self.error: OSError | None = None
 
     def start_writeback(self, fd: int, /) -> None:
@@ -511,6 +513,10 @@ class _GatedFiles(SimFiles):
         self.started.append(fd)
         if self.error is not None:
             raise self.error
+
+    def drop_cached(self, fd: int, position: int, length: int, /) -> None:
+        super().drop_cached(fd, position, length)
+        self.dropped.append((fd, position, length))
 
 
 def _gated() -> _GatedFiles:
@@ -584,3 +590,36 @@ def test_a_failed_writeback_is_counted_and_logged_and_the_thread_goes_on(
     writeback.request(handle)
     assert writeback.wait_idle(10)
     assert writeback.started_total == 1
+
+
+def test_writeback_drops_from_the_page_cache_what_the_previous_writeback_started_on() -> None:
+    files = _gated()
+    files.gate.set()
+    handle = OpenFiles().open(files, ROOT / "a", APPEND)
+    writeback = Writeback()
+    sizes = [3 * PAGE_BYTES + 100, 7 * PAGE_BYTES + 5, 7 * PAGE_BYTES + 9]
+    for size in sizes:
+        write_all(files, handle.fd, [b"x" * (size - files.size(handle.fd))])
+        writeback.request(handle)
+        assert writeback.wait_idle(10)
+    # Whole pages, each range once, and only what an earlier request started on.
+    assert files.dropped == [
+        (handle.fd, 0, 3 * PAGE_BYTES),
+        (handle.fd, 3 * PAGE_BYTES, 4 * PAGE_BYTES),
+    ]
+    assert files.started == [handle.fd] * 3
+
+
+def test_real_drop_cached_keeps_the_bytes_and_names_a_bad_fd(tmp_path: Path) -> None:
+    path = tmp_path / "data"
+    fd = os.open(path, APPEND, FILE_MODE)
+    try:
+        os.write(fd, b"y" * (4 * PAGE_BYTES))
+        os.fdatasync(fd)
+        REAL_FILES.drop_cached(fd, 0, 4 * PAGE_BYTES)  # Linux: POSIX_FADV_DONTNEED.
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"y" * (4 * PAGE_BYTES)
+    if hasattr(os, "posix_fadvise"):
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            REAL_FILES.drop_cached(fd, 0, PAGE_BYTES)

@@ -4,6 +4,7 @@ operation survives a reopen."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from hastream.errors import CorruptionError
 from raftstore import limits
 from raftstore.storage import checkpoint
-from raftstore.storage.files import Fault, SimFiles
+from raftstore.storage.files import PAGE_BYTES, Fault, RealFiles, SimFiles
 from raftstore.storage.journal import META_KIND, DurableJournal, segment_paths
 
 pytestmark = pytest.mark.storage
@@ -503,3 +504,43 @@ def test_a_cut_back_across_segments_that_fails_midway_keeps_memory_equal_to_disk
             assert len(in_memory) == 2, where
         reopened = DurableJournal(SIM_DIR, files=sim, segment_bytes_max=64)
         assert list(reopened[:]) == in_memory, where
+
+
+class _DropRecorder(RealFiles):
+    """The real file system, recording what the page cache is told to forget and checking
+    it was made durable first."""
+
+    def __init__(self) -> None:
+        self.synced: dict[int, int] = {}
+        self.dropped: list[tuple[int, int]] = []
+
+    def fdatasync(self, fd: int, /) -> None:
+        os.fdatasync(fd)
+        self.synced[fd] = os.fstat(fd).st_size
+
+    def drop_cached(self, fd: int, position: int, length: int, /) -> None:
+        assert position + length <= self.synced.get(fd, 0), "dropped before fdatasync"
+        RealFiles.drop_cached(fd, position, length)
+        self.dropped.append((position, length))
+
+
+def test_what_fdatasync_made_durable_is_dropped_from_the_page_cache_behind_the_writes(
+    tmp_path: Path,
+) -> None:
+    files = _DropRecorder()
+    journal = DurableJournal(tmp_path, files=files)
+    command = os.urandom(300_000)
+    for idx in range(1, 14):
+        journal.append(command, idx, 1)
+        journal.sync()
+    expected = list(journal[:])
+    journal.close()
+    ranges = files.dropped
+    assert len(ranges) >= 2
+    assert ranges[0][0] == 0
+    assert all(p % PAGE_BYTES == 0 and n % PAGE_BYTES == 0 for p, n in ranges)
+    assert all(n >= limits.JOURNAL_DROP_BEHIND_BYTES - PAGE_BYTES for _, n in ranges)
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranges))
+    written = 13 * 300_000
+    assert ranges[-1][0] + ranges[-1][1] > written - limits.JOURNAL_DROP_BEHIND_BYTES
+    assert entries(tmp_path) == expected  # read back from the disk

@@ -47,6 +47,8 @@ Buffer = bytes | bytearray | memoryview
 _T = TypeVar("_T")
 
 FILE_MODE: Final = 0o644
+# The page cache's unit: `drop_cached` forgets whole pages only.
+PAGE_BYTES: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class Files(Protocol):
@@ -85,6 +87,15 @@ class Files(Protocol):
         """Start writing the file's dirty pages to disk, without waiting for them and without
         making anything durable (a later fsync still must): spreads a big fsync's work over
         the writes before it."""
+
+    def drop_cached(self, fd: int, position: int, length: int, /) -> None:
+        """Let the page cache forget the file's clean pages in [position, position + length)
+        (`posix_fadvise(POSIX_FADV_DONTNEED)`; advisory: dirty pages stay, a later read goes
+        to the disk). Written files that are not read back soon are dropped behind their
+        writes: the kernel then reuses those pages for the next writes instead of taking
+        pages nobody used lately, which on a VM whose host takes back free memory cost a
+        fault in the host each (a 12.7 MB write: ~25 ms into fresh pages, ~3.5 ms into
+        recycled ones, here). Durability is unchanged: only clean pages are dropped."""
 
     def ftruncate(self, fd: int, size: int, /) -> None: ...
 
@@ -147,6 +158,14 @@ def _no_writeback(fd: int, /) -> None:
     """Where sync_file_range is missing: the fsync does all the work, as before."""
 
 
+def _fadvise_dont_need(fd: int, position: int, length: int, /) -> None:
+    os.posix_fadvise(fd, position, length, os.POSIX_FADV_DONTNEED)
+
+
+def _keep_cached(fd: int, position: int, length: int, /) -> None:
+    """Where posix_fadvise is missing: the kernel keeps the pages, as before."""
+
+
 _SYNC_FILE_RANGE_WRITE: Final = 2
 
 
@@ -186,6 +205,7 @@ class RealFiles:
     fsync = staticmethod(os.fsync)
     fdatasync = staticmethod(os.fdatasync)
     start_writeback = staticmethod(_libc_sync_file_range() or _no_writeback)
+    drop_cached = staticmethod(_fadvise_dont_need if hasattr(os, "posix_fadvise") else _keep_cached)
     ftruncate = staticmethod(os.ftruncate)
     size = staticmethod(_fstat_size)
     replace = staticmethod(os.replace)
@@ -291,7 +311,7 @@ class FileHandle:
     reader's batch), so the process-wide `OpenFiles` can drop it at any time without a
     thread ever using a closed, or reused, fd number."""
 
-    __slots__ = ("__weakref__", "fd", "files", "path", "serial", "used")
+    __slots__ = ("__weakref__", "dropped", "fd", "files", "path", "serial", "used", "written_back")
 
     def __init__(self, files: Files, path: Path, fd: int, serial: int) -> None:
         self.files = files
@@ -299,6 +319,10 @@ class FileHandle:
         self.fd = fd
         self.serial = serial  # Its key in OpenFiles.
         self.used = True  # Set on every use; the clock hand clears it (second chance).
+        # Writeback's drop-behind: the file's size when its writeback last started, and
+        # the page cache told to forget [0, dropped).
+        self.written_back = 0
+        self.dropped = 0
 
     def __del__(self) -> None:
         try:
@@ -391,7 +415,12 @@ class Writeback:
     handle already queued, is dropped (the checkpoint's fsync writes what is left), and a
     failure is logged (that fsync reports the disk's errors). A queued request holds its
     handle, so its fd cannot close and be reused before the call. Thread-safe; the thread
-    starts with the first request."""
+    starts with the first request.
+
+    Each request also lets the page cache forget the part of the file whose writeback the
+    previous request started (`Files.drop_cached`; pages still being written are skipped),
+    so that appends reuse pages instead of taking fresh ones. Reads of those rows (past
+    the tables' memory caches) then go to the disk."""
 
     def __init__(self, *, queue_max: int = limits.WRITEBACK_QUEUE_MAX) -> None:
         assert queue_max >= 1, queue_max
@@ -423,12 +452,22 @@ class Writeback:
         with self._condition:
             return self._condition.wait_for(lambda: not self._queued, timeout_s)
 
+    @staticmethod
+    def _drop_behind(handle: FileHandle) -> None:
+        files = handle.files
+        upto = handle.written_back - handle.written_back % PAGE_BYTES
+        if upto > handle.dropped:
+            files.drop_cached(handle.fd, handle.dropped, upto - handle.dropped)
+            handle.dropped = upto
+        handle.written_back = files.size(handle.fd)
+
     def _run(self) -> None:
         while True:
             with self._condition:
                 self._condition.wait_for(lambda: bool(self._queued))
                 _, handle = next(iter(self._queued.items()))
             try:
+                self._drop_behind(handle)
                 handle.files.start_writeback(handle.fd)
                 self.started_total += 1
             except OSError as error:
@@ -847,6 +886,12 @@ class SimFiles:
     def start_writeback(self, fd: int, /) -> None:
         """Nothing becomes durable, and it is not an operation of the fault plan: it runs
         on the writeback thread, whose timing would make `crash_at` counts irreproducible."""
+
+    def drop_cached(self, fd: int, position: int, length: int, /) -> None:
+        """Changes nothing a read or a power loss sees; not an operation of the fault plan."""
+        self._handle_or_badf(fd)
+        if position < 0 or length < 0:
+            raise _error(errno.EINVAL)
 
     def _sync(self, fd: int) -> None:
         node = self._handle(fd).node

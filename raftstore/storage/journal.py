@@ -73,7 +73,15 @@ from typing import Any, Final
 from hastream.errors import CorruptionError
 from raftstore import limits, trace
 from raftstore.storage import checkpoint
-from raftstore.storage.files import FILE_MODE, REAL_FILES, Files, ensure_dir, read_all, write_all
+from raftstore.storage.files import (
+    FILE_MODE,
+    PAGE_BYTES,
+    REAL_FILES,
+    Files,
+    ensure_dir,
+    read_all,
+    write_all,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +152,7 @@ class _Segment:
     path: Path
     fd: int
     end: int  # file size: where the next record goes (the fd is O_APPEND)
+    dropped: int = 0  # the page cache was told to forget [0, dropped) (_drop_behind)
 
 
 class DurableJournal:
@@ -670,12 +679,25 @@ class DurableJournal:
             raise
         self._dirty = False
         self.syncs += 1
+        self._drop_behind(segment)
         tracer = trace.current()
         if tracer.on and self._indexes:
             tracer.journal_synced(self._indexes[-1], started, trace.clock())
         if self._indexes and self._meta.get("synced_last_index") != self._indexes[-1]:
             self._meta["synced_last_index"] = self._indexes[-1]
             self._meta_dirty = True  # stored with the commit index (onOneSecondTimer)
+
+    def _drop_behind(self, segment: _Segment) -> None:
+        """Let the page cache forget what fdatasync made durable (`Files.drop_cached`: the
+        next writes reuse those pages), once JOURNAL_DROP_BEHIND_BYTES have gathered. The
+        file is read back only for a follower far behind or at a restart; the newest
+        entries' commands are held in memory anyway (RAFT_LOG_RESIDENT_BYTES)."""
+        if segment.end - segment.dropped < limits.JOURNAL_DROP_BEHIND_BYTES:
+            return
+        upto = _page_floor(segment.end)  # the last page gets the next record's bytes
+        with contextlib.suppress(OSError):  # advisory: nothing depends on it
+            self._files.drop_cached(segment.fd, segment.dropped, upto - segment.dropped)
+        segment.dropped = upto
 
     @property
     def dirty(self) -> bool:
@@ -753,7 +775,9 @@ class DurableJournal:
                 self._meta_dirty = True
             raise
         self._forget_tail(count, keep_through=seq)
-        self._segments[-1].end = position
+        newest = self._segments[-1]
+        newest.end = position
+        newest.dropped = min(newest.dropped, _page_floor(position))
 
     def _forget_tail(self, count: int, *, keep_through: int) -> None:
         """Entries [count, ...) leave memory, and the segments after `keep_through` (their
@@ -788,3 +812,7 @@ class DurableJournal:
         checkpoint.write_atomic(self._meta_path, META_KIND, body, files=self._files)
         self._meta = meta
         self._meta_dirty = False
+
+
+def _page_floor(position: int) -> int:
+    return position - position % PAGE_BYTES
