@@ -26,7 +26,6 @@ Not thread-safe: one event loop owns a session.
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final
@@ -36,7 +35,7 @@ import grpc.aio
 import pyarrow as pa
 
 from api_clients import admin, batches
-from api_clients.call_policy import AttemptState, decide, leader_named
+from api_clients.call_policy import AttemptState, decide_after, leader_named
 from api_clients.connection import (
     ATTEMPT_TIMEOUT_S_DEFAULT,
     CHANNEL_OPTIONS,
@@ -149,15 +148,13 @@ class AioSession:
         decision (`call_policy.decide`), with an asyncio wait. Raises `error` when the call
         ends."""
         hint = self._learn(leader_named(error))
-        decision = decide(
-            dataclasses.replace(
-                memory,
-                target=target,
-                sites=tuple(self._sites),
-                time_left=backoff.remaining_s() > 0,
-                hint=None if hint == target else hint,
-            ),
+        decision = decide_after(
+            memory,
             error,
+            target=target,
+            sites=tuple(self._sites),
+            time_left=backoff.remaining_s() > 0,
+            hint=None if hint == target else hint,
         )
         if decision.forget_leader and table is not None:
             self._leaders.pop(table, None)

@@ -179,6 +179,21 @@ def decide(state: AttemptState, error: RaftStoreError) -> Decision:
     return _retry(state, error)
 
 
+def decide_after(
+    memory: AttemptState,
+    error: RaftStoreError,
+    *,
+    target: str,
+    sites: tuple[str, ...],
+    time_left: bool,
+    hint: str | None,
+) -> Decision:
+    """`decide` for the attempt on `target` that failed with `error`, with what the session
+    knows now (its sites, whether time is left, the leader the error named)."""
+    state = dataclasses.replace(memory, target=target, sites=sites, time_left=time_left, hint=hint)
+    return decide(state, error)
+
+
 def _retry(state: AttemptState, error: RaftStoreError) -> Decision:
     resume_after: str | None = None
     unreachable_hints = state.unreachable_hints

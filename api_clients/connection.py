@@ -19,7 +19,6 @@ a network call. gRPC channels are thread-safe.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -35,7 +34,7 @@ from api_clients.call_policy import (
     Action,
     AttemptState,
     Decision,
-    decide,
+    decide_after,
     hedgeable,
     leader_named,
 )
@@ -428,15 +427,13 @@ class Session:
         the leader when the policy says so. The one retry step of `call` and of the
         streaming calls that retry by the same rules (`reader.read_range`); the caller
         raises when `decision.target` is None or its backoff runs out."""
-        decision = decide(
-            dataclasses.replace(
-                memory,
-                target=target,
-                sites=tuple(self.sites),
-                time_left=backoff.remaining_s() > 0,
-                hint=None if pinned else self.redirect_target(error, target),
-            ),
+        decision = decide_after(
+            memory,
             error,
+            target=target,
+            sites=tuple(self.sites),
+            time_left=backoff.remaining_s() > 0,
+            hint=None if pinned else self.redirect_target(error, target),
         )
         log.debug(
             "attempt failed site=%s table=%s error=%s next=%s",

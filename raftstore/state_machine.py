@@ -264,11 +264,13 @@ def _check_create(command: CreateTable, *, exists: bool) -> pa.Schema:
 
 @dataclass(frozen=True, slots=True)
 class _Checked:
-    """A payload's non-empty batches and, when it was read message by message with the
-    table's schema, each batch's encapsulated IPC message (views of the payload)."""
+    """A payload's non-empty batches and, when there is one, read message by message with
+    the table's schema, its encapsulated IPC message as the publisher encoded it (a view of
+    the payload, stored byte for byte: a pyarrow publisher's message is the bytes
+    `batch.serialize()` would make again); None when apply must build the batch's bytes."""
 
     batches: list[pa.RecordBatch]
-    messages: list[memoryview] | None = None
+    sent: memoryview | None = None
 
 
 # An encapsulated IPC message of the current format starts with this (the legacy format,
@@ -284,7 +286,7 @@ def _read_known_stream(meta: TableMeta, payload: bytes | memoryview) -> _Checked
     view = memoryview(payload)[prefix:]
     reader = pa.BufferReader(pa.py_buffer(view))
     batches: list[pa.RecordBatch] = []
-    messages: list[memoryview] = []
+    sent: memoryview | None = None
     try:
         while reader.tell() < reader.size():  # bounded: every message advances the reader
             start = reader.tell()
@@ -298,10 +300,12 @@ def _read_known_stream(meta: TableMeta, payload: bytes | memoryview) -> _Checked
             if batch.num_rows > 0:
                 batch.validate(full=True)  # see _read_stream
                 batches.append(batch)
-                messages.append(view[start : reader.tell()])
+                sent = view[start : reader.tell()]
     except _ARROW_ERRORS as error:
         raise InvalidArgument("payload", f"not a valid Arrow IPC stream: {error}") from None
-    return _Checked(batches, messages)
+    if len(batches) != 1 or sent is None or bytes(sent[:4]) != _CONTINUATION:
+        sent = None  # several batches are combined on apply; a legacy-format message is rebuilt
+    return _Checked(batches, sent)
 
 
 def _read_stream(payload: bytes | memoryview) -> tuple[pa.Schema, list[pa.RecordBatch]]:
@@ -390,17 +394,6 @@ def validate_payload(meta: TableMeta, payload: bytes | memoryview) -> int:
     if rows > limits.BATCH_ROWS_MAX:
         raise BatchTooLarge(rows, limits.BATCH_ROWS_MAX, "rows")
     return rows
-
-
-def _as_sent(checked: _Checked) -> memoryview | None:
-    """The one batch's message as the publisher encoded it, to be stored byte for byte; None
-    when the batch was built here (several batches combined, or read from a stream of
-    another schema message) or the message is of the legacy format. A pyarrow publisher's
-    message is the bytes `batch.serialize()` would make again."""
-    if checked.messages is None or len(checked.messages) != 1:
-        return None
-    (message,) = checked.messages
-    return message if bytes(message[:4]) == _CONTINUATION else None
 
 
 def _merged(appends: list[tuple[AppendRecords, int]]) -> list[AppendRecords]:
@@ -680,7 +673,7 @@ class GroupStateMachine:
             batch, duplicates = self._deduplicate(state, batch)
             kept = batch.num_rows
             if kept:
-                encoded = _as_sent(checked) if duplicates == 0 else None
+                encoded = checked.sent if duplicates == 0 else None
                 append = AppendRecords(item.table, lsn, first_offset, batch, timestamp_ms, encoded)
                 effects.append((append, memoryview(item.payload).nbytes))
                 self._advance(state, lsn, kept)

@@ -157,13 +157,16 @@ def test_any_bytes_either_read_as_protobuf_reads_them_or_raise_wire_error(data: 
     _reads_as_protobuf_or_raises_wire_error(data)
 
 
-def _reads_as_protobuf_or_raises_wire_error(data: bytes) -> None:
+def _reads_as_protobuf_or_raises_wire_error(data: bytes, *, batch: bool = False) -> None:
     try:
-        ours = parse_publish(data)
+        ours = parse_publish_batch(data) if batch else [parse_publish(data)]
     except WireError:
         return
     # What we accept, protobuf accepts and reads the same.
-    assert _fields(ours) == _fields(pb.PublishRequest.FromString(data))
+    theirs = (
+        pb.PublishBatch.FromString(data).requests if batch else [pb.PublishRequest.FromString(data)]
+    )
+    assert [_fields(r) for r in ours] == [_fields(r) for r in theirs]
 
 
 @settings(max_examples=300, deadline=None)
@@ -174,9 +177,4 @@ def test_any_wire_shaped_batch_either_reads_as_protobuf_reads_it_or_raises_wire_
     data = b"".join(pieces)
     if framed:  # the pieces as one request of the batch
         data = b"\x0a" + _varint_bytes(len(data), 0) + data
-    try:
-        ours = parse_publish_batch(data)
-    except WireError:
-        return
-    theirs = pb.PublishBatch.FromString(data).requests
-    assert [_fields(r) for r in ours] == [_fields(r) for r in theirs]
+    _reads_as_protobuf_or_raises_wire_error(data, batch=True)

@@ -158,6 +158,16 @@ def _no_writeback(fd: int, /) -> None:
     """Where sync_file_range is missing: the fsync does all the work, as before."""
 
 
+def drop_behind(files: Files, fd: int, dropped: int, end: int) -> int:
+    """Let the page cache forget [dropped, end) of the file, whole pages only (the page
+    holding `end` gets the next write); returns where the forgotten part now ends."""
+    upto = end - end % PAGE_BYTES
+    if upto <= dropped:
+        return dropped
+    files.drop_cached(fd, dropped, upto - dropped)
+    return upto
+
+
 def _fadvise_dont_need(fd: int, position: int, length: int, /) -> None:
     os.posix_fadvise(fd, position, length, os.POSIX_FADV_DONTNEED)
 
@@ -454,12 +464,8 @@ class Writeback:
 
     @staticmethod
     def _drop_behind(handle: FileHandle) -> None:
-        files = handle.files
-        upto = handle.written_back - handle.written_back % PAGE_BYTES
-        if upto > handle.dropped:
-            files.drop_cached(handle.fd, handle.dropped, upto - handle.dropped)
-            handle.dropped = upto
-        handle.written_back = files.size(handle.fd)
+        handle.dropped = drop_behind(handle.files, handle.fd, handle.dropped, handle.written_back)
+        handle.written_back = handle.files.size(handle.fd)
 
     def _run(self) -> None:
         while True:

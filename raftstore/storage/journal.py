@@ -78,6 +78,7 @@ from raftstore.storage.files import (
     PAGE_BYTES,
     REAL_FILES,
     Files,
+    drop_behind,
     ensure_dir,
     read_all,
     write_all,
@@ -694,10 +695,8 @@ class DurableJournal:
         entries' commands are held in memory anyway (RAFT_LOG_RESIDENT_BYTES)."""
         if segment.end - segment.dropped < limits.JOURNAL_DROP_BEHIND_BYTES:
             return
-        upto = _page_floor(segment.end)  # the last page gets the next record's bytes
         with contextlib.suppress(OSError):  # advisory: nothing depends on it
-            self._files.drop_cached(segment.fd, segment.dropped, upto - segment.dropped)
-        segment.dropped = upto
+            segment.dropped = drop_behind(self._files, segment.fd, segment.dropped, segment.end)
 
     @property
     def dirty(self) -> bool:
@@ -777,7 +776,7 @@ class DurableJournal:
         self._forget_tail(count, keep_through=seq)
         newest = self._segments[-1]
         newest.end = position
-        newest.dropped = min(newest.dropped, _page_floor(position))
+        newest.dropped = min(newest.dropped, position - position % PAGE_BYTES)
 
     def _forget_tail(self, count: int, *, keep_through: int) -> None:
         """Entries [count, ...) leave memory, and the segments after `keep_through` (their
@@ -812,7 +811,3 @@ class DurableJournal:
         checkpoint.write_atomic(self._meta_path, META_KIND, body, files=self._files)
         self._meta = meta
         self._meta_dirty = False
-
-
-def _page_floor(position: int) -> int:
-    return position - position % PAGE_BYTES
