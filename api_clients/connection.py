@@ -234,6 +234,11 @@ class Session:
                 return self._group_leaders[group]
             return self._preferred
 
+    def group_leader(self, group: int) -> str | None:
+        """The leader this session remembers for Raft group `group` (`host:port`), if any."""
+        with self._lock:
+            return self._group_leaders.get(group)
+
     def next_site(self, site: str) -> str:
         """The site after `site` in the list, wrapping around."""
         with self._lock:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Final
 
+import pyarrow as pa
+
 from api_clients import OffsetForTime, TableInfo
 from spark_publisher import clients
 from spark_publisher.options import HAStreamOptions
@@ -38,6 +40,18 @@ def table_info(options: HAStreamOptions, *, fresh: bool = False) -> TableInfo:
     if client.getStreamingLeader(info.raft_group):
         return client.getTableInfo(options.table)
     return info
+
+
+def publish_schema(options: HAStreamOptions) -> pa.Schema:
+    """The table's schema, for a task about to publish to it, and its group's leader known
+    to the session, so the publishes go straight to it. One call once the process's session
+    knows the leader (a reused Python worker keeps it across tasks): the table's info, asked
+    of that leader. Raises TableNotFound at once for an unknown table."""
+    client = clients.session(options.sites, options.timeout_s, options.tls, options.login)
+    info = client.getTableInfo(options.table)
+    if client.group_leader(info.raft_group) is None:
+        client.getStreamingLeader(info.raft_group)
+    return info.schema
 
 
 def offset_for_time(options: HAStreamOptions, timestamp_ms: int) -> OffsetForTime:

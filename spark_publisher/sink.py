@@ -45,7 +45,7 @@ from pyspark.sql.types import StructType
 
 from api_clients import AppendResult, Publisher, TableNotFound
 from spark_publisher import clients, schema
-from spark_publisher.cluster import TABLE_NOT_FOUND_RETRY_S, table_info
+from spark_publisher.cluster import TABLE_NOT_FOUND_RETRY_S, publish_schema, table_info
 from spark_publisher.options import HAStreamOptions, OptionError
 
 log = logging.getLogger(__name__)
@@ -125,8 +125,7 @@ class _TaskPublisher:
         self._options = options
         self._producer_id = producer_id
         self._partition = partition
-        # Learns the group's leader too, so publishes go straight to it.
-        self._table_schema = table_info(options, fresh=True).schema
+        self._table_schema = publish_schema(options)
         self._client = clients.session(options.sites, options.timeout_s, options.tls, options.login)
         self._publisher = self._new_publisher(first_sequence=1)
         self._pending: collections.deque[Future[AppendResult]] = collections.deque()
@@ -141,6 +140,7 @@ class _TaskPublisher:
             producer_id=self._producer_id,
             first_sequence=first_sequence,
             deadline_s=self._options.timeout_s,
+            schema=self._table_schema,  # conformed to it by `send`: no need to ask again
         )
 
     def send(self, rows: pa.Table) -> None:
@@ -183,7 +183,7 @@ class _TaskPublisher:
                 if not backoff.wait():
                     raise
                 log.info("table %s not found at the node asked: retrying", self._options.table)
-                table_info(self._options, fresh=True)
+                self._table_schema = publish_schema(self._options)
                 self._publisher.close()
                 self._publisher = self._new_publisher(first_sequence=first_sequence)
 

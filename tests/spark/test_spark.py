@@ -656,3 +656,26 @@ def test_progress_names_the_table_and_a_checkpoint_of_another_table_is_refused(
     assert json.loads(source["latestOffset"]) == {"table": "named_a", "offset": 100}
     with pytest.raises(Exception, match="the checkpoint holds offsets of table 'named_a'"):
         run("named_b")  # the same checkpointLocation, another table
+
+
+def test_a_publishing_task_learns_the_leader_once_then_asks_it_for_the_table(
+    spark_cluster: LocalCluster,
+) -> None:
+    """Each Spark task that publishes first needs the table's schema; a reused Python worker
+    keeps its session, so only its first task looks the group's leader up."""
+    from spark_publisher import clients
+    from spark_publisher.cluster import publish_schema
+    from spark_publisher.options import parse
+    from tests.spark.conftest import WARMUP_SCHEMA
+
+    # A timeout no other test uses: a session of its own in this process's cache.
+    options = parse({"sites": sites_of(spark_cluster), "table": "warmup", "timeoutSec": "37"})
+    session = clients.session(options.sites, options.timeout_s, options.tls, options.login)
+    assert session.group_leader(2) is None
+
+    assert publish_schema(options).equals(WARMUP_SCHEMA)
+    leader = spark_cluster.nodes[spark_cluster.leader()]
+    assert session.group_leader(2) == f"127.0.0.1:{leader.port}"
+    # Asked again (the next task in the same worker): the same answer, from the leader.
+    assert publish_schema(options).equals(WARMUP_SCHEMA)
+    assert session.route(table="warmup") == f"127.0.0.1:{leader.port}"
