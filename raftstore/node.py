@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2
 
 from hastream.errors import RaftStoreError, UnknownGroup
 from hastream.model import LOCAL_GROUP, NodeAddress
-from raftstore import identity, limits, node_tls, passwords, trace
+from raftstore import allocator, identity, limits, node_tls, passwords, trace
 from raftstore.apply import REPAIR_DIR, Applier, ApplierSettings
 from raftstore.auth import Authenticator, Tokens, bootstrap_password, token_key
 from raftstore.batcher import Batcher
@@ -189,6 +189,7 @@ class Node:
         self._start_server()
         self._start_status_server()
         self._threads.start("housekeeping", self._housekeeping)
+        self._threads.start("malloc-trim", lambda: allocator.trim_until(self._stopping))
         self._threads.start("watch", self._watch)
         self.slow_consumers.start(self._stopping)
         if self._scrubber is not None:
