@@ -26,7 +26,7 @@ def test_the_node_bounds_its_malloc_arenas_where_the_c_library_is_glibc() -> Non
 # the heap's top cannot shrink by itself), then runs the node's trim loop and prints its
 # resident KiB before and once the loop has given the freed pages back (or 10 s passed).
 _FREED_UNDER_A_KEPT_BLOCK = """
-import sys, threading, time
+import threading, time
 from raftstore import allocator
 
 def resident_kib():
