@@ -11,10 +11,12 @@ arenas cost no contention to speak of (one arena was no lower).
 
 Freed memory stays resident too: glibc gives pages back to the system only from the top of
 the main heap, so a few live buffers above hundreds of MiB of freed ones hold them all. A
-node therefore hands the free pages of every arena back once a second (`trim_until`,
-glibc's `malloc_trim`, on the node's "malloc-trim" thread): the busiest node's peak RSS over
-the DolphinDB grid 625-725 MiB -> 516-566 MiB, at the same rows/s and node CPU per row
-within the noise (docs/benchmark.md).
+node therefore hands the free pages of every arena back every 5 s (`trim_until`, glibc's
+`malloc_trim`, on the node's "malloc-trim" thread): the busiest node's peak RSS over the
+DolphinDB grid 625-725 MiB -> 563-572 MiB, at the same rows/s and node CPU per row. Every
+second was as low (516-566 MiB) but cost 15% more node CPU per row at 211 columns x 10,000
+rows: the pages handed back are faulted in again by the next big buffers
+(docs/benchmark.md).
 """
 
 from __future__ import annotations
