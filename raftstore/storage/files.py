@@ -158,10 +158,15 @@ def _no_writeback(fd: int, /) -> None:
     """Where sync_file_range is missing: the fsync does all the work, as before."""
 
 
+def page_floor(position: int) -> int:
+    """The start of the page that holds `position`."""
+    return position - position % PAGE_BYTES
+
+
 def drop_behind(files: Files, fd: int, dropped: int, end: int) -> int:
     """Let the page cache forget [dropped, end) of the file, whole pages only (the page
     holding `end` gets the next write); returns where the forgotten part now ends."""
-    upto = end - end % PAGE_BYTES
+    upto = page_floor(end)
     if upto <= dropped:
         return dropped
     files.drop_cached(fd, dropped, upto - dropped)

@@ -75,11 +75,11 @@ from raftstore import limits, trace
 from raftstore.storage import checkpoint
 from raftstore.storage.files import (
     FILE_MODE,
-    PAGE_BYTES,
     REAL_FILES,
     Files,
     drop_behind,
     ensure_dir,
+    page_floor,
     read_all,
     write_all,
 )
@@ -776,7 +776,7 @@ class DurableJournal:
         self._forget_tail(count, keep_through=seq)
         newest = self._segments[-1]
         newest.end = position
-        newest.dropped = min(newest.dropped, position - position % PAGE_BYTES)
+        newest.dropped = min(newest.dropped, page_floor(position))
 
     def _forget_tail(self, count: int, *, keep_through: int) -> None:
         """Entries [count, ...) leave memory, and the segments after `keep_through` (their
