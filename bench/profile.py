@@ -8,7 +8,8 @@ Starts a local three-node cluster, publishes to one table exactly as bench.throu
 process (and with --client this benchmark process) with `py-spy record --threads
 --function --nonblocking`. Without --idle the samples are CPU time (threads on CPU); with
 --idle every thread is sampled whether it runs or waits, which shows wall time: fdatasync,
-polls, lock and queue waits.
+polls, lock and queue waits; with --gil only the thread holding the GIL is, which is a
+GIL-bound node's Python work (py-spy counts a thread waiting for the GIL as on CPU).
 
 Writes, under bench/results/profiles/:
 - <name>-<alias>.txt: py-spy's collapsed stacks ("thread;frame;frame count"), for flame
@@ -219,6 +220,8 @@ def _spy(
     ]  # fmt: skip
     if args.idle:
         command.append("--idle")
+    if args.gil:
+        command.append("--gil")
     # Native frames (C: memcpy, malloc, Arrow, syscalls' wrappers) need the process paused
     # while sampled; without them sample without pausing.
     command.append("--native" if args.native else "--nonblocking")
@@ -229,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or (
         f"{args.mode}-t{args.threads}-b{args.batch}-c{args.columns}"
         + (f"-p{args.pipeline}" if args.pipeline else "")
-        + ("-wall" if args.idle else "-cpu")
+        + ("-wall" if args.idle else "-gil" if args.gil else "-cpu")
         + ("-native" if args.native else "")
         + (f"-{args.tuning.replace(',', '+').replace('=', '')}" if args.tuning else "")
     )
@@ -259,7 +262,11 @@ def run(args: argparse.Namespace) -> int:
             )
             profiles.append(parse(label, path))
     kind = (
-        "wall time (--idle: running and waiting threads)" if args.idle else "CPU (threads on CPU)"
+        "wall time (--idle: running and waiting threads)"
+        if args.idle
+        else "the thread holding the GIL (--gil)"
+        if args.gil
+        else "CPU (threads on CPU)"
     )
     notes = [
         f"`python -m bench.profile {' '.join(sys.argv[1:])}` (code {common.code_version()}): "
@@ -370,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds sampled")
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--idle", action="store_true", help="wall time: sample waiting threads")
+    parser.add_argument(
+        "--gil",
+        action="store_true",
+        help="only the thread holding the GIL: a GIL-bound node's Python work, without the "
+        "threads that wait for the GIL (py-spy counts those as running)",
+    )
     parser.add_argument("--client", action="store_true", help="also profile this client")
     parser.add_argument(
         "--native", action="store_true", help="include C frames (pauses the nodes per sample)"

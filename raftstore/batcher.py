@@ -24,11 +24,13 @@ from raftstore.threads import Spawn
 log = logging.getLogger(__name__)
 
 Propose = Callable[[bytes, Callable[[Any, RaftStoreError | None], None]], None]
+_Future = Future[tuple[int, ItemResult]]
 
 
 class Batcher:
     """Runs one thread, started through `spawn` (the node's threads.Threads). `submit` may
-    be called from any thread."""
+    be called from any thread; when nothing is queued or being sent and a slot is free, it
+    proposes on the calling thread (a waited publish then skips the hand-over)."""
 
     def __init__(
         self,
@@ -44,23 +46,22 @@ class Batcher:
         self._in_flight_max = in_flight_max
         self._group_id = group_id
         self._propose = propose
-        self._queue: collections.deque[
-            tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]
-        ] = collections.deque()
+        self._queue: collections.deque[tuple[commands.AppendItem, _Future]] = collections.deque()
         self._queued_bytes = 0
         self._condition = threading.Condition()
         # Proposal number -> deadline. A slot is freed by the proposal's callback, or at its
         # deadline: pysyncobj never calls back for entries a snapshot install wiped out.
         self._in_flight: dict[int, float] = {}
-        self._waiting: dict[int, list[Future[tuple[int, ItemResult]]]] = {}
+        self._waiting: dict[int, list[_Future]] = {}
         self._proposals = 0
+        self._sending = False  # a proposal's number is taken and its propose not yet done
         self._closed = False
         self.entries_proposed = 0
         self.items_proposed = 0
         self._thread = spawn(f"batcher-{group_id}", self._run)
 
-    def submit(self, item: commands.AppendItem) -> Future[tuple[int, ItemResult]]:
-        future: Future[tuple[int, ItemResult]] = Future()
+    def submit(self, item: commands.AppendItem) -> _Future:
+        future: _Future = Future()
         with self._condition:
             if self._closed:
                 raise LeadershipLost("node shutting down")
@@ -68,15 +69,23 @@ class Batcher:
                 raise Overloaded("publish", limits.PUBLISH_QUEUE_MAX)
             if self._queued_bytes + len(item.payload) > limits.PUBLISH_QUEUE_BYTES_MAX:
                 raise Overloaded("publish bytes", limits.PUBLISH_QUEUE_BYTES_MAX)
-            self._queue.append((item, future))
-            self._queued_bytes += len(item.payload)
-            self._condition.notify()
+            if self._queue or self._sending or not self._slot_free():
+                self._queue.append((item, future))
+                self._queued_bytes += len(item.payload)
+                self._condition.notify()
+                return future
+            # Nothing queued, nothing being sent and a slot free: propose on this thread.
+            # Handing the publish to the batcher thread would add a thread wake-up and a
+            # GIL hand-over to every waited publish's path; there is nothing to pack it with.
+            batch = [(item, future)]
+            number = self._take_slot(batch)
+        self._send_and_finish(number, batch)
         return future
 
-    def submit_many(self, items: list[commands.AppendItem]) -> list[Future[tuple[int, ItemResult]]]:
+    def submit_many(self, items: list[commands.AppendItem]) -> list[_Future]:
         """`submit` for several items under one lock, in order: all are queued or none
         (Overloaded, LeadershipLost)."""
-        futures: list[Future[tuple[int, ItemResult]]] = [Future() for _ in items]
+        futures: list[_Future] = [Future() for _ in items]
         with self._condition:
             if self._closed:
                 raise LeadershipLost("node shutting down")
@@ -109,17 +118,38 @@ class Batcher:
     def _run(self) -> None:  # the batcher's event loop: runs until close()
         while True:
             with self._condition:
-                while not self._closed and not (self._queue and self._slot_free()):
+                while not self._closed and not (
+                    self._queue and not self._sending and self._slot_free()
+                ):
                     self._condition.wait(timeout=0.1)
                 if self._closed:
                     return
                 # Publishes that arrived while every slot was busy join this entry.
                 batch = self._drain()
-                self._proposals += 1
-                number = self._proposals
-                self._in_flight[number] = time.monotonic() + limits.PROPOSAL_TIMEOUT_S
-                self._waiting[number] = [future for _, future in batch]
+                number = self._take_slot(batch)
+            self._send_and_finish(number, batch)
+
+    def _take_slot(self, batch: list[tuple[commands.AppendItem, _Future]]) -> int:
+        """A proposal number for `batch`, marked as being sent (caller holds the
+        condition). One proposal is sent at a time, so they reach Raft in number order,
+        which is the order their publishes were submitted in."""
+        self._proposals += 1
+        number = self._proposals
+        self._in_flight[number] = time.monotonic() + limits.PROPOSAL_TIMEOUT_S
+        self._waiting[number] = [future for _, future in batch]
+        self._sending = True
+        return number
+
+    def _send_and_finish(
+        self, number: int, batch: list[tuple[commands.AppendItem, _Future]]
+    ) -> None:
+        try:
             self._send(number, batch)
+        finally:
+            with self._condition:
+                self._sending = False
+                if self._queue:
+                    self._condition.notify()
 
     def _slot_free(self) -> bool:
         now = time.monotonic()
@@ -133,7 +163,8 @@ class Batcher:
         with self._condition:
             self._in_flight.pop(number, None)
             self._waiting.pop(number, None)
-            self._condition.notify()
+            if self._queue:  # the batcher thread waits for a slot only with publishes queued
+                self._condition.notify()
 
     def fail_in_flight(self, error: RaftStoreError) -> None:
         """Answer every publish not committed yet with `error` (leadership was lost): those
@@ -148,9 +179,9 @@ class Batcher:
         for future in waiting + queued:
             _settle(future, error=error)
 
-    def _drain(self) -> list[tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]]:
+    def _drain(self) -> list[tuple[commands.AppendItem, _Future]]:
         """Take queued publishes for one entry (caller holds the condition)."""
-        batch: list[tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]] = []
+        batch: list[tuple[commands.AppendItem, _Future]] = []
         size = 0
         while self._queue and len(batch) < limits.ENTRY_ITEMS_MAX:
             item, future = self._queue[0]
@@ -162,9 +193,7 @@ class Batcher:
             batch.append((item, future))
         return batch
 
-    def _send(
-        self, number: int, batch: list[tuple[commands.AppendItem, Future[tuple[int, ItemResult]]]]
-    ) -> None:
+    def _send(self, number: int, batch: list[tuple[commands.AppendItem, _Future]]) -> None:
         futures = [future for _, future in batch]
         command = commands.Append(
             timestamp_ms=int(time.time() * 1000), items=tuple(item for item, _ in batch)

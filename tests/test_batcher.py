@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import random
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from hastream.errors import LeadershipLost, Overloaded, RaftStoreError
 from raftstore import commands, limits
 from raftstore.batcher import Batcher
+from raftstore.state_machine import AppendResult, ItemResult
 from raftstore.threads import Threads
 from tests.harness import wait_until
 
@@ -101,3 +105,173 @@ def test_in_flight_max_never_exceeds_the_limit_buffers_were_sized_by() -> None:
     for bad in (0, limits.PROPOSALS_IN_FLIGHT_MAX + 1):
         with pytest.raises(ValueError, match="in_flight_max"):
             Batcher(2, HeldProposals(), spawn=Threads().start, in_flight_max=bad)
+
+
+def test_an_idle_batcher_proposes_on_the_submitting_thread() -> None:
+    # Nothing queued, nothing being sent, a slot free: the publish is proposed before
+    # submit returns, by the caller, not after a hand-over to the batcher thread.
+    proposals = HeldProposals()
+    proposers: list[str] = []
+
+    def propose(command: bytes, callback: Callback) -> None:
+        proposers.append(threading.current_thread().name)
+        proposals(command, callback)
+
+    batcher = Batcher(2, propose, spawn=Threads().start, in_flight_max=2)
+    try:
+        batcher.submit(_item(1))
+        assert proposals.count() == 1
+        assert proposers == [threading.current_thread().name]
+        batcher.submit(_item(2))  # the second slot: on this thread too
+        assert proposals.count() == 2
+        third = batcher.submit(_item(3))  # no slot free: queued for the batcher thread
+        assert proposals.count() == 2
+        assert batcher.queue_depth == 1
+        _, callback = proposals.proposed[0]
+        callback(_result(1, 1), None)
+        wait_until(lambda: proposals.count() == 3, timeout_s=5)
+        assert proposers[2].startswith("batcher")
+        assert not third.done()
+    finally:
+        batcher.close()
+
+
+def test_a_publish_waits_behind_a_proposal_being_sent_rather_than_overtake_it() -> None:
+    # The batcher thread has taken two publishes and is inside propose (a big entry's
+    # encoding, Raft's queue) when the same producer's next publish arrives with nothing
+    # queued and a slot free. Proposed on the caller's thread at once, it would reach Raft
+    # before the two it follows.
+    entered = threading.Event()
+    gate = threading.Event()
+    proposals = HeldProposals()
+
+    def propose(command: bytes, callback: Callback) -> None:
+        if not entered.is_set():
+            entered.set()
+            assert gate.wait(timeout=10)
+        proposals(command, callback)
+
+    batcher = Batcher(2, propose, spawn=Threads().start)
+    try:
+        batcher.submit_many([_item(1), _item(2)])  # always through the batcher thread
+        wait_until(entered.is_set, timeout_s=5)
+        batcher.submit(_item(3))
+        assert proposals.count() == 0
+        assert batcher.queue_depth == 1
+        gate.set()
+        wait_until(lambda: proposals.count() == 2, timeout_s=5)
+        entries = [[item.sequence for item in entry.items] for entry, _ in proposals.proposed]
+        assert entries == [[1, 2], [3]]
+    finally:
+        gate.set()
+        batcher.close()
+
+
+def _result(lsn: int, items: int) -> AppendResult:
+    return AppendResult(lsn, tuple(ItemResult("t", lsn, 1, 0, False, None) for _ in range(items)))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_concurrent_submitters_are_proposed_once_each_in_their_order(seed: int) -> None:
+    # Submitting threads race the batcher thread (the caller proposes when the batcher is
+    # idle, the batcher thread when it is not) while a responder answers proposals at
+    # random moments. Every publish is proposed exactly once and answered with its own
+    # entry's result; each thread's publishes reach Raft in the order it submitted them;
+    # no more proposals are in flight than the slots. The plans and the slots come from the
+    # seed; the threads' interleaving is the machine's.
+    rng = random.Random(seed)
+    in_flight_max = rng.choice([1, 2, 8])
+    spins = [rng.randint(0, 50) for _ in range(7)]
+    lock = threading.Condition()
+    proposed: list[tuple[commands.Append, Callback]] = []
+    answered = 0
+    most_in_flight = 0
+
+    def propose(command: bytes, callback: Callback) -> None:
+        nonlocal most_in_flight
+        decoded = commands.decode(command)
+        assert isinstance(decoded, commands.Append)
+        # A propose takes a while (Raft's queue, a big entry's encoding): another submitter
+        # or the batcher thread gets the GIL meanwhile. Spinning, not sleeping, for it.
+        for _ in range(spins[len(decoded.items) % len(spins)]):
+            os.sched_yield()
+        with lock:
+            proposed.append((decoded, callback))
+            most_in_flight = max(most_in_flight, len(proposed) - answered)
+            lock.notify()
+
+    stop = threading.Event()
+
+    def respond() -> None:
+        nonlocal answered
+        responder_rng = random.Random(seed + 1000)
+
+        def pending() -> bool:
+            return len(proposed) > answered or stop.is_set()
+
+        while not stop.is_set():
+            with lock:
+                lock.wait_for(pending, timeout=1)
+                ready = proposed[answered:]
+            if not ready:
+                continue
+            for entry, callback in ready[: responder_rng.randint(1, len(ready))]:
+                with lock:
+                    answered += 1
+                    lsn = answered
+                callback(_result(lsn, len(entry.items)), None)
+
+    batcher = Batcher(2, propose, spawn=Threads().start, in_flight_max=in_flight_max)
+    responder = threading.Thread(target=respond, daemon=True)
+    responder.start()
+    per_thread = 150
+    futures: dict[int, list[Future[tuple[int, ItemResult]]]] = {}
+
+    def submitter(thread: int, plan: list[tuple[int, bool]]) -> None:
+        mine: list[Future[tuple[int, ItemResult]]] = []
+        sequence = 0
+        for size, waited in plan:
+            items = [
+                commands.AppendItem(
+                    table="t",
+                    producer_id=bytes([thread]) * 16,
+                    sequence=sequence + k,
+                    payload=b"x",
+                )
+                for k in range(size)
+            ]
+            sequence += size
+            mine.extend([batcher.submit(items[0])] if size == 1 else batcher.submit_many(items))
+            if waited:  # a unary publisher; the others keep several in flight
+                mine[-1].result(timeout=30)
+        futures[thread] = mine
+
+    # Per submitter: (items in one submit, then wait for it?) - one by one, three at once.
+    plans = {
+        t: [(rng.choice([1, 1, 1, 3]), rng.random() < 0.5) for _ in range(per_thread)]
+        for t in range(4)
+    }
+    threads = [threading.Thread(target=submitter, args=(t, plans[t])) for t in plans]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        for mine in futures.values():
+            for future in mine:
+                lsn, result = future.result(timeout=30)
+                assert result.first_offset == lsn  # its own entry's answer
+    finally:
+        stop.set()
+        with lock:
+            lock.notify()
+        responder.join(timeout=5)
+        batcher.close()
+    seen: dict[int, list[int]] = {t: [] for t in plans}
+    for entry, _ in proposed:
+        for item in entry.items:
+            seen[item.producer_id[0]].append(item.sequence)
+    for number, plan in plans.items():
+        expected = list(range(sum(size for size, _ in plan)))
+        assert seen[number] == expected, f"seed {seed}, submitter {number}"
+    assert most_in_flight <= in_flight_max, f"seed {seed}"
