@@ -9,11 +9,12 @@ per round trip instead of one per row.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from hastream.errors import LeadershipLost, Overloaded, RaftStoreError
@@ -223,10 +224,13 @@ class Batcher:
 
 def _settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
     """Complete `future` once; later completions (a commit after leadership loss) are
-    dropped. Only the tick thread completes futures, so check-then-set does not race."""
+    dropped. The tick thread completes most, but a propose refused at once (a full queue, a
+    leadership transfer) fails its futures on the proposing thread, which may race a
+    step-down's `fail_in_flight`: whichever comes second is dropped."""
     if future.done():
         return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
