@@ -30,8 +30,8 @@ _Future = Future[tuple[int, ItemResult]]
 
 class Batcher:
     """Runs one thread, started through `spawn` (the node's threads.Threads). `submit` may
-    be called from any thread; when nothing is queued or being sent and a slot is free, it
-    proposes on the calling thread (a waited publish then skips the hand-over)."""
+    be called from any thread; when nothing is being sent and a slot is free, it proposes
+    on the calling thread (a waited publish then skips the hand-over)."""
 
     def __init__(
         self,
@@ -62,30 +62,13 @@ class Batcher:
         self._thread = spawn(f"batcher-{group_id}", self._run)
 
     def submit(self, item: commands.AppendItem) -> _Future:
-        future: _Future = Future()
-        with self._condition:
-            if self._closed:
-                raise LeadershipLost("node shutting down")
-            if len(self._queue) >= limits.PUBLISH_QUEUE_MAX:
-                raise Overloaded("publish", limits.PUBLISH_QUEUE_MAX)
-            if self._queued_bytes + len(item.payload) > limits.PUBLISH_QUEUE_BYTES_MAX:
-                raise Overloaded("publish bytes", limits.PUBLISH_QUEUE_BYTES_MAX)
-            if self._queue or self._sending or not self._slot_free():
-                self._queue.append((item, future))
-                self._queued_bytes += len(item.payload)
-                self._condition.notify()
-                return future
-            # Nothing queued, nothing being sent and a slot free: propose on this thread.
-            # Handing the publish to the batcher thread would add a thread wake-up and a
-            # GIL hand-over to every waited publish's path; there is nothing to pack it with.
-            batch = [(item, future)]
-            number = self._take_slot(batch)
-        self._send_and_finish(number, batch)
-        return future
+        return self.submit_many([item])[0]
 
     def submit_many(self, items: list[commands.AppendItem]) -> list[_Future]:
-        """`submit` for several items under one lock, in order: all are queued or none
-        (Overloaded, LeadershipLost)."""
+        """Queue `items` for group commit, in order: all are queued or none (Overloaded,
+        LeadershipLost). When no proposal is being sent and a slot is free, the caller
+        proposes what is queued itself: handing it to the batcher thread would add a thread
+        wake-up and a GIL hand-over to every waited publish's path."""
         futures: list[_Future] = [Future() for _ in items]
         with self._condition:
             if self._closed:
@@ -95,10 +78,14 @@ class Batcher:
             size = sum(len(item.payload) for item in items)
             if self._queued_bytes + size > limits.PUBLISH_QUEUE_BYTES_MAX:
                 raise Overloaded("publish bytes", limits.PUBLISH_QUEUE_BYTES_MAX)
-            for item, future in zip(items, futures, strict=True):
-                self._queue.append((item, future))
-                self._queued_bytes += len(item.payload)
-            self._condition.notify()
+            self._queue.extend(zip(items, futures, strict=True))
+            self._queued_bytes += size
+            if self._sending or not self._slot_free():
+                self._condition.notify()
+                return futures
+            batch = self._drain()
+            number = self._take_slot(batch)
+        self._send_and_finish(number, batch)
         return futures
 
     def close(self) -> None:

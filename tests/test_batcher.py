@@ -137,10 +137,10 @@ def test_an_idle_batcher_proposes_on_the_submitting_thread() -> None:
 
 
 def test_a_publish_waits_behind_a_proposal_being_sent_rather_than_overtake_it() -> None:
-    # The batcher thread has taken two publishes and is inside propose (a big entry's
-    # encoding, Raft's queue) when the same producer's next publish arrives with nothing
-    # queued and a slot free. Proposed on the caller's thread at once, it would reach Raft
-    # before the two it follows.
+    # One thread has taken two publishes and is inside propose (a big entry's encoding,
+    # Raft's queue) when the same producer's next publish arrives with nothing queued and a
+    # slot free. Proposed on its caller's thread at once, it would reach Raft before the two
+    # it follows.
     entered = threading.Event()
     gate = threading.Event()
     proposals = HeldProposals()
@@ -152,8 +152,9 @@ def test_a_publish_waits_behind_a_proposal_being_sent_rather_than_overtake_it() 
         proposals(command, callback)
 
     batcher = Batcher(2, propose, spawn=Threads().start)
+    first = threading.Thread(target=batcher.submit_many, args=([_item(1), _item(2)],))
     try:
-        batcher.submit_many([_item(1), _item(2)])  # always through the batcher thread
+        first.start()  # an idle batcher: that thread proposes, and stops at the gate
         wait_until(entered.is_set, timeout_s=5)
         batcher.submit(_item(3))
         assert proposals.count() == 0
@@ -164,6 +165,7 @@ def test_a_publish_waits_behind_a_proposal_being_sent_rather_than_overtake_it() 
         assert entries == [[1, 2], [3]]
     finally:
         gate.set()
+        first.join(timeout=10)
         batcher.close()
 
 
