@@ -108,12 +108,13 @@ _JOURNAL_TROUBLE_S: Final = 2.0
 # A commit index the leader applied reaches the followers at most this much later (with the
 # next entry, or a heartbeat brought forward; pysyncobj sent one message per follower per
 # apply for it). Under pipelined load the batcher's next proposal follows the answer within
-# a fraction of this; a publisher that waits for each answer sends its next entry 1.5-8 ms
-# later (fast and slow machines), so a shorter delay sent a notice between every two of its
-# entries: a wake-up, a message and an acknowledgement on both followers and the leader,
-# ~20% of the node CPU of a waited one-row publish. Followers apply that much later; reads
-# of a table's end go to the leader.
-_COMMIT_NOTICE_S: Final = 0.010
+# a fraction of this. A publisher that waits for each answer sends its next entry 1.5-8 ms
+# later (fast and slow machines), so at 2 ms a notice goes out between every two of its
+# entries; 10 ms saved ~20% of the node CPU of a waited one-row publish on a slow machine
+# (docs/benchmark.md) but was reverted: followers then learn a new table or row up to 10 ms
+# after the client's answer, and callers that ask a follower right after a create (a
+# Session's first site, two tests) saw TableNotFound there. Taking it needs that lag handled.
+_COMMIT_NOTICE_S: Final = 0.002
 # A checkpoint the applier wants is asked for at most this often.
 _CHECKPOINT_FORCE_S: Final = 1.0
 
