@@ -64,12 +64,14 @@ def wait_until(
         time.sleep(interval_s)
 
 
-def free_ports(count: int) -> list[int]:
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free on `host` now: bound together, then released (one at a
+    time, the kernel may hand the same free port out twice)."""
     sockets = []
     try:
         for _ in range(count):
             sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
+            sock.bind((host, 0))
             sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]
     finally:

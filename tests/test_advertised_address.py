@@ -28,6 +28,7 @@ from tests.harness import (
     AckedPublisher,
     LocalCluster,
     assert_replicas_hold_exactly,
+    free_ports,
     ipc_stream,
     wait_until,
 )
@@ -189,21 +190,11 @@ def test_plain_client_follows_not_leader_to_the_advertised_address(
         wait_until(lambda a=alias: cluster.row_count(a, "redirected") == 50, timeout_s=30)
 
 
-def unused_ports(host: str, count: int) -> list[int]:
-    """`count` distinct ports nothing listens on at `host`: all bound at once, then released
-    (one at a time, the kernel may hand the same free port out twice)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-
-
 def test_catch_up_from_peers_uses_the_cfg_address_not_the_advertised_one(
     tmp_path: Path,
 ) -> None:
     cluster = LocalCluster(tmp_path / "cluster", purge_interval_s=1.0)
-    ports = unused_ports(ADVERTISED_HOST, len(cluster.nodes))
+    ports = free_ports(len(cluster.nodes), ADVERTISED_HOST)
     for alias, port in zip(cluster.nodes, ports, strict=True):
         cluster.advertise(alias, ADVERTISED_HOST, port)
     cluster.start()
