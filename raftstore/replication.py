@@ -78,7 +78,7 @@ from hastream.errors import (
     Overloaded,
     RaftStoreError,
 )
-from raftstore import limits, pre_vote, pysyncobj_patches, trace
+from raftstore import commands, limits, pre_vote, pysyncobj_patches, trace
 from raftstore.identity import REJOIN_MARKER
 from raftstore.log_limits import OncePerInterval
 from raftstore.pre_vote import LogPosition, PreVoteRound
@@ -109,12 +109,14 @@ _JOURNAL_TROUBLE_S: Final = 2.0
 # next entry, or a heartbeat brought forward; pysyncobj sent one message per follower per
 # apply for it). Under pipelined load the batcher's next proposal follows the answer within
 # a fraction of this. A publisher that waits for each answer sends its next entry 1.5-8 ms
-# later (fast and slow machines), so at 2 ms a notice goes out between every two of its
+# later (fast and slow machines): at 2 ms a notice went out between every two of its
 # entries; 10 ms saved ~20% of the node CPU of a waited one-row publish on a slow machine
-# (docs/benchmark.md) but was reverted: followers then learn a new table or row up to 10 ms
-# after the client's answer, and callers that ask a follower right after a create (a
-# Session's first site, two tests) saw TableNotFound there. Taking it needs that lag handled.
-_COMMIT_NOTICE_S: Final = 0.002
+# (docs/benchmark.md). Only rows wait that long: reads of a table's end go to the leader.
+_COMMIT_NOTICE_S: Final = 0.010
+# Any other entry (a table created or dropped, a user, a rule, a subscriber's offset) is
+# told at once: a caller that asks a follower right after the answer (a Session's first
+# site) must find the table there.
+_APPENDS: Final = frozenset((commands.Kind.APPEND, commands.Kind.APPEND_FLAGGED))
 # A checkpoint the applier wants is asked for at most this often.
 _CHECKPOINT_FORCE_S: Final = 1.0
 
@@ -363,6 +365,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             waiting = self._SyncObj__commandsWaitingCommit
             deadline = time.monotonic() + limits.APPLY_SLICE_S
             applied = 0
+            urgent = False
             for command, idx, term in self._SyncObj__getEntries(last_applied + 1, count):
                 try:
                     result = self._SyncObj__doApplyCommand(command)
@@ -378,6 +381,9 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                         callback(None, FAIL_REASON.DISCARDED)
                 self._SyncObj__raftLastApplied += 1
                 applied += 1
+                # command: the REGULAR tag, then commands.py's version and kind bytes
+                if command[:1] != _TAG_REGULAR or len(command) < 3 or command[2] not in _APPENDS:
+                    urgent = True
                 if time.monotonic() >= deadline:
                     break  # the next tick goes on, after this one's network work
             if applied and self._SyncObj__raftState == _STATE_LEADER:
@@ -389,7 +395,9 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                 # pipelined load); else the heartbeat is brought forward to then, so a
                 # follower applies (and serves reads of) what is committed at most that
                 # much later, not a heartbeat period later.
-                due = pysyncobj_tcp_connection.monotonicTime() + _COMMIT_NOTICE_S
+                due = pysyncobj_tcp_connection.monotonicTime()
+                if not urgent:
+                    due += _COMMIT_NOTICE_S
                 if self._next_send_at() > due:
                     self._SyncObj__newAppendEntriesTime = due
         return False

@@ -58,6 +58,16 @@ def ids_on(cluster: LocalCluster, alias: str, table: str) -> list[int]:
     return data.column("id").to_pylist() if data.num_rows else []
 
 
+def knows_table(cluster: LocalCluster, alias: str, table: str) -> bool:
+    try:
+        cluster.row_count(alias, table)
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.NOT_FOUND:
+            return False
+        raise
+    return True
+
+
 def wait_replicas(cluster: LocalCluster, table: str, rows_total: int) -> None:
     wait_until(
         lambda: all(cluster.row_count(a, table) == rows_total for a in cluster.alive()),
@@ -155,6 +165,14 @@ def test_a_stream_opened_on_a_follower_moves_to_the_leader(cluster: LocalCluster
     cluster.create_table("redirect", SCHEMA)
     leader = cluster.leader()
     follower = next(alias for alias in cluster.alive() if alias != leader)
+    # A follower may learn of the table a few ms after the create's answer; one that does
+    # not know it yet answers TableNotFound and the Publisher's lookup finds it at the
+    # leader (test_call_policy), so the stream would never open on the follower.
+    wait_until(
+        lambda: knows_table(cluster, follower, "redirect"),
+        timeout_s=30,
+        message=f"{follower} knows the table",
+    )
     sites = [f"127.0.0.1:{cluster.nodes[alias].port}" for alias in (follower, leader)]
     with Session(sites, deadline_s=DEADLINE_S) as session:
         publisher = Publisher(session, "redirect", deadline_s=DEADLINE_S)
