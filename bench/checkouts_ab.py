@@ -12,7 +12,9 @@ also its p50 latency) or `async:N` (append_async, 64 in flight); one row is a ro
 N rows a pyarrow Table of bench.vs_nats's 11 columns, or with `--columns 211` of the wide
 table of bench.throughput (pre-built, so the client costs little). Prints each round and
 the medians, with the ratio B/A, of rows/s and of the three nodes' CPU per 10,000 rows
-(utime + stime: the cost of a row, steadier than rows/s on a shared machine), Raft elections
+(utime + stime: the cost of a row, steadier than rows/s on a shared machine) and of their
+context switches per append (every hand-off between threads or processes is a sleep and a
+wake-up; on a slow machine a wake-up costs as much as the work it hands over), Raft elections
 during a cell (the HA group's term moved), and at the end the checkpoint times of each arm
 (the `checkpoint ... took_ms` lines of its nodes' logs: the data-file fsync a checkpoint
 does on the Raft thread).
@@ -21,6 +23,7 @@ does on the Raft thread).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import shutil
 import statistics
@@ -58,6 +61,7 @@ class Cell:
     p50_ms: float | None
     rows: int  # every row the cell published, the warm-up append included
     node_cpu_ms_per_10k: float = 0.0  # set by run(): the nodes' CPU over `rows`
+    node_switches_per_append: float = 0.0  # set by run(): the nodes' context switches
     elections: int = 0  # set by run(): how far the HA group's term moved during the cell
 
 
@@ -92,6 +96,16 @@ def publish(
 
 
 _CHECKPOINT_LINE = re.compile(rf"checkpoint group={common.HA_GROUP} .*took_ms=([0-9.]+)")
+
+
+def nodes_switches(pids: list[int]) -> int:
+    """The nodes' context switches so far (a node that exited counts 0: the cell reports
+    its errors)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += common.context_switches(pid)
+    return total
 
 
 def checkpoint_times_ms(cluster: LocalCluster) -> list[float]:
@@ -136,11 +150,14 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
                 sessions[arm].getStreamingLeader(common.HA_GROUP)
                 pids = list(common.node_pids(clusters[arm]).values())
                 term = common.ha_term(clusters[arm])
+                switches = nodes_switches(pids)
                 with cpu_meter(pids) as spent:
                     cell = publish(sessions[arm], table, shape, build, seconds)
                 cell = replace(
                     cell,
                     node_cpu_ms_per_10k=spent[0] * 1000 / cell.rows * 10_000,
+                    node_switches_per_append=(nodes_switches(pids) - switches)
+                    / (cell.rows / shape.rows),
                     elections=common.ha_term(clusters[arm]) - term,
                 )
                 cells[arm].append(cell)
@@ -148,7 +165,9 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
                 elections = f", {cell.elections} election(s)" if cell.elections else ""
                 print(
                     f"round {number} {arm}: {cell.rows_per_s:,.0f} rows/s{latency}, "
-                    f"node CPU {cell.node_cpu_ms_per_10k:,.1f} ms per 10k rows{elections}",
+                    f"node CPU {cell.node_cpu_ms_per_10k:,.1f} ms per 10k rows, "
+                    f"{cell.node_switches_per_append:.1f} node context switches per append"
+                    f"{elections}",
                     flush=True,
                 )
         for arm, cluster in clusters.items():
@@ -169,16 +188,22 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
     cpu = {
         arm: statistics.median(c.node_cpu_ms_per_10k for c in runs) for arm, runs in cells.items()
     }
+    switches = {
+        arm: statistics.median(c.node_switches_per_append for c in runs)
+        for arm, runs in cells.items()
+    }
     for arm, repo in checkouts.items():
         p50s = [c.p50_ms for c in cells[arm] if c.p50_ms is not None]
         latency = f", p50 {statistics.median(p50s):.2f} ms" if p50s else ""
         print(
             f"{arm} ({repo}): median {medians[arm]:,.0f} rows/s{latency}, "
-            f"node CPU {cpu[arm]:,.1f} ms per 10k rows"
+            f"node CPU {cpu[arm]:,.1f} ms per 10k rows, "
+            f"{switches[arm]:.1f} node context switches per append"
         )
     print(
         f"B/A: rows/s x{medians['B'] / medians['A']:.2f}, node CPU per row "
-        f"x{cpu['B'] / cpu['A']:.2f} (load average {common.load_average():.1f})"
+        f"x{cpu['B'] / cpu['A']:.2f}, context switches per append "
+        f"x{switches['B'] / switches['A']:.2f} (load average {common.load_average():.1f})"
     )
     return 0
 

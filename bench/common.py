@@ -13,7 +13,7 @@ import shutil
 import statistics
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -112,6 +112,23 @@ def cpu_seconds(pid: int) -> float:
         text = stat.read()
     fields = text[text.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+_SWITCH_KEYS: Final = frozenset(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary and involuntary context switches of every thread of `pid` so far: each is
+    a thread going to sleep or being put off the CPU, the wake-ups a hand-off between
+    threads or processes costs (/proc/<pid>/task/*/status)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with suppress(OSError), open(f"/proc/{pid}/task/{task}/status") as status:  # exited
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in _SWITCH_KEYS:
+                    total += int(value)
+    return total
 
 
 def memory_kib(pid: int) -> dict[str, int]:

@@ -3,6 +3,7 @@ checkout twice), a cell on each in turn, and the medians and their ratio printed
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -30,6 +31,10 @@ def test_both_arms_publish_and_the_ratio_is_printed(
     assert "round 0 B:" in out
     assert "B/A: rows/s x" in out
     assert "node CPU per row x" in out
+    assert "context switches per append x" in out
+    switches = re.findall(r"([0-9.]+) node context switches per append", out)
+    assert len(switches) == 4, out  # two rounds' lines and two medians
+    assert all(float(count) > 0 for count in switches), out
 
 
 def test_a_directory_that_is_not_a_checkout_is_refused(tmp_path: Path) -> None:
