@@ -43,8 +43,10 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
 7. Commit notices. With appendEntriesUseBatch=False pysyncobj sends every follower an
    append_entries after every apply, only to carry the new commit index; here the next
    entry carries it, or a heartbeat brought forward to `_COMMIT_NOTICE_S` after the apply
-   (`__applyLogEntries`; the tick's poll waits no longer than that). Reads of a table's
-   end go to the leader (`ReadRequest.end_at_leader`), where every acknowledged row is.
+   of rows, and to the same tick after any other entry, so a follower learns of a new table
+   one message and one apply after its creator, not 10 ms later (`__applyLogEntries`; the
+   tick's poll waits no longer than that). Reads of a table's end go to the leader
+   (`ReadRequest.end_at_leader`), where every acknowledged row is.
 
 The process-wide patches (journal, encryptor, pickle protocol, compression, link timeouts)
 live in pysyncobj_patches.py with a guard on the pysyncobj version; the per-class ones are
