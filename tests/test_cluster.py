@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 
 from proto import hastream_pb2 as pb
+from raftstore import limits
 from tests.harness import (
     AckedPublisher,
     LocalCluster,
@@ -202,10 +203,16 @@ def test_group_committed_batches_replay_exactly_after_a_full_restart(cluster: Lo
     """Concurrent small publishes share Raft entries (several batches of one table under one
     LSN); a restart replays those entries without losing or repeating a row."""
     cluster.create_table("ticks", SCHEMA, key_column="id")
-    publishers = [AckedPublisher(cluster, "ticks", SCHEMA) for _ in range(4)]
+    # More waiting publishers than proposals in flight, so some wait for a slot and share an
+    # entry. With fewer, only publishes that happen to arrive while another is being
+    # proposed (a fraction of a ms) share one: 4 publishers once got 600 entries for 600.
+    publishers = [
+        AckedPublisher(cluster, "ticks", SCHEMA) for _ in range(limits.PROPOSALS_IN_FLIGHT_MAX + 4)
+    ]
+    per_publisher = 600 // len(publishers)
 
     def publish_range(publisher: AckedPublisher, base: int) -> None:
-        for number in range(150):
+        for number in range(per_publisher):
             publisher.publish(base + number * 2, 2)
 
     threads = [
@@ -217,7 +224,9 @@ def test_group_committed_batches_replay_exactly_after_a_full_restart(cluster: Lo
     for thread in threads:
         thread.join()
     leader = cluster.leader()
-    assert cluster.group_status(leader, 2)["entries_proposed"] < 600, "no group commit happened"
+    publishes = per_publisher * len(publishers)
+    proposed = cluster.group_status(leader, 2)["entries_proposed"]
+    assert proposed < publishes, f"no group commit happened: {proposed} entries"
     for alias in list(cluster.nodes):
         cluster.kill(alias)
     cluster.start()
