@@ -33,7 +33,7 @@ def test_both_arms_publish_and_the_ratio_is_printed(
     assert "node CPU per row x" in out
     assert "context switches per append x" in out
     switches = re.findall(r"([0-9.]+) node context switches per append", out)
-    assert len(switches) == 4, out  # two rounds' lines and two medians
+    assert len(switches) == 4, out  # the round's two lines and the two medians
     assert all(float(count) > 0 for count in switches), out
 
 
