@@ -23,7 +23,6 @@ does on the Raft thread).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import shutil
 import statistics
@@ -98,16 +97,6 @@ def publish(
 _CHECKPOINT_LINE = re.compile(rf"checkpoint group={common.HA_GROUP} .*took_ms=([0-9.]+)")
 
 
-def nodes_switches(pids: list[int]) -> int:
-    """The nodes' context switches so far (a node that exited counts 0: the cell reports
-    its errors)."""
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            total += common.context_switches(pid)
-    return total
-
-
 def checkpoint_times_ms(cluster: LocalCluster) -> list[float]:
     """Every HA-group checkpoint's duration in the cluster's node logs (ms)."""
     took: list[float] = []
@@ -150,13 +139,13 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
                 sessions[arm].getStreamingLeader(common.HA_GROUP)
                 pids = list(common.node_pids(clusters[arm]).values())
                 term = common.ha_term(clusters[arm])
-                switches = nodes_switches(pids)
+                switches = common.context_switches(pids)
                 with cpu_meter(pids) as spent:
                     cell = publish(sessions[arm], table, shape, build, seconds)
                 cell = replace(
                     cell,
                     node_cpu_ms_per_10k=spent[0] * 1000 / cell.rows * 10_000,
-                    node_switches_per_append=(nodes_switches(pids) - switches)
+                    node_switches_per_append=(common.context_switches(pids) - switches)
                     / (cell.rows / shape.rows),
                     elections=common.ha_term(clusters[arm]) - term,
                 )

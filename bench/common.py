@@ -12,7 +12,7 @@ import platform
 import shutil
 import statistics
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,17 +117,23 @@ def cpu_seconds(pid: int) -> float:
 _SWITCH_KEYS: Final = frozenset(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
 
 
-def context_switches(pid: int) -> int:
-    """Voluntary and involuntary context switches of every thread of `pid` so far: each is
-    a thread going to sleep or being put off the CPU, the wake-ups a hand-off between
-    threads or processes costs (/proc/<pid>/task/*/status)."""
+def context_switches(pids: Sequence[int]) -> int:
+    """Voluntary and involuntary context switches so far of every thread of the processes
+    `pids`: each is a thread going to sleep or being put off the CPU, the wake-ups a
+    hand-off between threads or processes costs (/proc/<pid>/task/*/status). A process or
+    thread that exited counts 0 (a cell reports its errors)."""
     total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with suppress(OSError), open(f"/proc/{pid}/task/{task}/status") as status:  # exited
-            for line in status:
-                key, _, value = line.partition(":")
-                if key in _SWITCH_KEYS:
-                    total += int(value)
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            with suppress(OSError), open(f"/proc/{pid}/task/{task}/status") as status:
+                for line in status:
+                    key, _, value = line.partition(":")
+                    if key in _SWITCH_KEYS:
+                        total += int(value)
     return total
 
 

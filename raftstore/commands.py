@@ -87,6 +87,9 @@ class Kind(enum.IntEnum):
     SET_RULE = 12
 
 
+_APPEND_KINDS: Final = frozenset((Kind.APPEND, Kind.APPEND_FLAGGED))
+
+
 class UserMode(enum.IntEnum):
     """What a PutUser does (part of the log format)."""
 
@@ -437,7 +440,7 @@ def _decode_append(reader: _Reader, *, flagged: bool) -> Append:
 
 
 def _decode_body(kind: int, reader: _Reader) -> Command:
-    if kind in (Kind.APPEND, Kind.APPEND_FLAGGED):
+    if kind in _APPEND_KINDS:
         return _decode_append(reader, flagged=kind == Kind.APPEND_FLAGGED)
     if kind == Kind.CREATE_TABLE:
         table = reader.string("table")
@@ -483,6 +486,14 @@ def _enum(cls: type[E], value: int, field: str) -> E:
         return cls(value)
     except ValueError:
         raise _invalid(f"{field} {value} is not one of {[int(v) for v in cls]}") from None
+
+
+def is_append(data: bytes | memoryview, start: int = 0) -> bool:
+    """Whether the entry bytes at `data[start:]` hold an Append (either kind), read from
+    the kind byte after the version byte alone, without decoding the entry (replication's
+    commit notices ask it of every applied entry)."""
+    index = start + _U8.size  # the kind byte follows the version byte (_HEADER)
+    return len(data) > index and data[index] in _APPEND_KINDS
 
 
 def decode(data: bytes | memoryview) -> Command:

@@ -118,7 +118,6 @@ _COMMIT_NOTICE_S: Final = 0.010
 # Any other entry (a table created or dropped, a user, a rule, a subscriber's offset) is
 # told at once: a caller that asks a follower right after the answer (a Session's first
 # site) must find the table there.
-_APPENDS: Final = frozenset((commands.Kind.APPEND, commands.Kind.APPEND_FLAGGED))
 # A checkpoint the applier wants is asked for at most this often.
 _CHECKPOINT_FORCE_S: Final = 1.0
 
@@ -383,9 +382,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                         callback(None, FAIL_REASON.DISCARDED)
                 self._SyncObj__raftLastApplied += 1
                 applied += 1
-                # command: the REGULAR tag, then commands.py's version and kind bytes
-                if command[:1] != _TAG_REGULAR or len(command) < 3 or command[2] not in _APPENDS:
-                    urgent = True
+                if command[:1] != _TAG_REGULAR or not commands.is_append(command, start=1):
+                    urgent = True  # anything but rows: followers hear of it in this tick
                 if time.monotonic() >= deadline:
                     break  # the next tick goes on, after this one's network work
             if applied and self._SyncObj__raftState == _STATE_LEADER:

@@ -90,6 +90,21 @@ def test_every_kind_round_trips(command: Command) -> None:
     assert encode(decode(data)) == data
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("command", EXAMPLES, ids=lambda command: type(command).__name__)
+def test_is_append_reads_the_kind_byte_alone(command: Command) -> None:
+    data = encode(command)
+    assert commands.is_append(data) is isinstance(command, Append)
+    tagged = b"\x00" + data  # as replication sees it: pysyncobj's entry type byte first
+    assert commands.is_append(memoryview(tagged), start=1) is isinstance(command, Append)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("data", [b"", bytes([commands.VERSION])])
+def test_is_append_of_bytes_too_short_for_a_kind_is_false(data: bytes) -> None:
+    assert not commands.is_append(data)
+
+
 @pytest.mark.property
 @given(command_strategy)
 def test_generated_commands_round_trip(command: Command) -> None:
