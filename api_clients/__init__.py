@@ -15,6 +15,10 @@ errors of `api_clients.transport` (a failure without a typed error from the node
 See docs/client.md for the delivery guarantees and the durable buffer.
 """
 
+# First, before any module of the client imports grpc: gRPC's polling engine (see there).
+import hastream.grpc_engine  # noqa: F401
+
+# isort: split
 from api_clients.buffer import BufferStats, DurableBuffer
 from api_clients.connection import Session, connect, parse_site
 from api_clients.pipeline import PipelineClosed, PublishAborted, PublishPipeline

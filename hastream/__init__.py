@@ -2,7 +2,8 @@
 
 A leaf: it imports nothing else of the project, so neither side reaches into the other's
 internals. `errors` (typed errors and their wire form), `model` (value types), `wire` (the
-bounds of the wire contract), `files` (durable file writes).
+bounds of the wire contract), `files` (durable file writes), `grpc_engine` (gRPC's I/O
+engine, chosen before grpc is imported).
 """
 
 from importlib import metadata
