@@ -16,24 +16,33 @@ are also given as a share of the 1-thread Publisher: the median of the per-round
   into the `noop` sink, and a batch `spark.read` into `noop`;
 - the plain client: `Session.read` of the whole range, and a `subscribe` from offset 0.
 Each figure is the best of `--repeat` runs (fresh tables for writes). Prints a Markdown
-table; the machine's load average is printed too, since other work shares the cores.
+table; the machine's load average is printed too, since other work shares the cores. Writes
+it, with the date, the command and the machine, to `--markdown` (default
+bench/results/spark-bench.md) and every run's seconds to `--json` (bench/results/spark-bench.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import datetime
+import json
 import os
+import shlex
 import shutil
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
+from bench import common
 from deploy.local_cluster import LocalCluster, wait_until
 
 SCHEMA = pa.schema(
@@ -66,18 +75,41 @@ COLUMNS = (
 )
 CLIENT_BATCH_ROWS = 10_000
 PUBLISHER = "client Publisher.append, 10000-row requests, 1 thread"
+RESULTS_STEM = common.RESULTS_DIR / "spark-bench"
 
 
-def best_of(repeat: int, run: Callable[[int], float]) -> float:
-    """The shortest of `repeat` timed runs; `run(attempt)` returns its seconds."""
-    return min(run(attempt) for attempt in range(repeat))
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: a path's best time and, for the writes, its median share of
+    the 1-thread Publisher's rows/s (the per-round ratios); every run's seconds."""
+
+    name: str
+    seconds: float
+    share: str
+    runs: list[float]
 
 
-def main() -> None:
+def timed_runs(repeat: int, run: Callable[[int], float]) -> list[float]:
+    """The seconds of `repeat` timed runs; `run(attempt)` returns its seconds."""
+    return [run(attempt) for attempt in range(repeat)]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.spark_bench")
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--markdown", type=Path, default=RESULTS_STEM.with_suffix(".md"))
+    parser.add_argument("--json", type=Path, default=RESULTS_STEM.with_suffix(".json"))
+    args = parser.parse_args(argv)
+    command = "python -m bench.spark_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    meta: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": command,
+        "rows": args.rows,
+        "repeat": args.repeat,
+        "machine": common.machine(),
+        "loadavg_start": list(os.getloadavg()),
+    }
     from spark_publisher.local import local_spark
 
     spark = local_spark("hastream-bench", cores=2, memory="2g")
@@ -91,16 +123,43 @@ def main() -> None:
         spark.stop()
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)  # Gigabytes of Raft log and data files.
-    print(f"\nrows={args.rows:,} columns=11 repeat={args.repeat} load={os.getloadavg()}")
-    print("| path | seconds (best) | rows/s (best) | of the 1-thread Publisher (median) |")
-    print("|---|---:|---:|---:|")
-    for name, seconds, share in results:
-        print(f"| {name} | {seconds:.2f} | {args.rows / seconds:,.0f} | {share} |")
+    meta["loadavg_end"] = list(os.getloadavg())
+    text = report(results, args.rows, meta)
+    print()
+    print(text, end="")
+    args.markdown.write_text(text)
+    record = {**meta, "results": [dataclasses.asdict(row) for row in results]}
+    args.json.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.markdown} and {args.json}")
 
 
-def run_all(
-    spark: Any, cluster: LocalCluster, root: Path, rows: int, repeat: int
-) -> list[tuple[str, float, str]]:
+def report(results: list[Row], rows: int, meta: dict[str, Any]) -> str:
+    """The results as Markdown: what ran where, then the table."""
+    machine = meta["machine"]
+    start, end = (
+        " ".join(f"{v:.2f}" for v in meta[key]) for key in ("loadavg_start", "loadavg_end")
+    )
+    lines = [
+        "# Spark and the plain client on one local cluster",
+        "",
+        f"- date: {meta['date']}",
+        f"- command: `{meta['command']}`",
+        f"- rows: {rows:,} of 11 columns; best of {meta['repeat']} runs each",
+        f"- load average (1, 5, 15 min): start {start}; end {end}",
+        f"- machine: {machine['cpus']} CPUs, {machine['cpu_model']}, Python {machine['python']},"
+        f" pyarrow {machine['pyarrow']}, code {machine['code']}",
+        "",
+        "| path | seconds (best) | rows/s (best) | of the 1-thread Publisher (median) |",
+        "|---|---:|---:|---:|",
+    ]
+    for row in results:
+        lines.append(
+            f"| {row.name} | {row.seconds:.2f} | {rows / row.seconds:,.0f} | {row.share} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_all(spark: Any, cluster: LocalCluster, root: Path, rows: int, repeat: int) -> list[Row]:
     from api_clients import Publisher, Session, TableExists
 
     sites = ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes.values())
@@ -217,11 +276,11 @@ def run_all(
     for attempt in range(repeat):  # interleaved: drifting load hits every cell alike
         for name, run in writes.items():
             seconds[name].append(run(attempt))
-    results: list[tuple[str, float, str]] = []
+    results: list[Row] = []
     for name, runs in seconds.items():
         ratios = sorted(base / own for base, own in zip(seconds[PUBLISHER], runs, strict=True))
         share = "" if name == PUBLISHER else f"{ratios[len(ratios) // 2]:.0%}"
-        results.append((name, min(runs), share))
+        results.append(Row(name, min(runs), share, runs))
     source = new_table()
     Publisher(client, source).append(arrow_rows)
     assert fresh_count(client, source) == rows
@@ -270,11 +329,15 @@ def run_all(
 
         return timed(go)
 
-    results.append(("readStream hastream, availableNow, 200000 rows/trigger, noop sink",
-                    best_of(repeat, stream_read), ""))  # fmt: skip
-    results.append(("spark.read hastream, noop sink", best_of(repeat, batch_read), ""))
-    results.append(("client Session.read of the whole range", best_of(repeat, client_read), ""))
-    results.append(("client subscribe from offset 0", best_of(repeat, client_subscribe), ""))
+    reads: dict[str, Callable[[int], float]] = {
+        "readStream hastream, availableNow, 200000 rows/trigger, noop sink": stream_read,
+        "spark.read hastream, noop sink": batch_read,
+        "client Session.read of the whole range": client_read,
+        "client subscribe from offset 0": client_subscribe,
+    }
+    for name, read in reads.items():
+        runs = timed_runs(repeat, read)
+        results.append(Row(name, min(runs), "", runs))
     frame.unpersist()
     return results
 
