@@ -42,6 +42,9 @@ from typing import Any
 
 import pyarrow as pa
 
+# The client before grpc (bench.common imports it): the driver's own Publisher, the baseline,
+# gets the same gRPC engine as the tasks' (hastream/grpc_engine.py).
+from api_clients import Publisher, Session, TableExists
 from bench import common
 from deploy.local_cluster import LocalCluster, wait_until
 
@@ -160,8 +163,6 @@ def report(results: list[Row], rows: int, meta: dict[str, Any]) -> str:
 
 
 def run_all(spark: Any, cluster: LocalCluster, root: Path, rows: int, repeat: int) -> list[Row]:
-    from api_clients import Publisher, Session, TableExists
-
     sites = ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes.values())
     client = Session(sites.split(","))
     frame = spark.range(rows, numPartitions=2).selectExpr(*COLUMNS).cache()
