@@ -392,6 +392,9 @@ class Session:
             routed=table is not None or group is not None,
             with_producer=bool(getattr(request, "producer_id", b"")),
         )
+        # The first unreachable-site error that told why (a TLS mismatch): the last attempt's
+        # own may only say that its connect ran out of time.
+        telling: transport.SiteUnavailable | None = None
         while True:  # Bounded: see call_policy (every retry waits, or moves on, at most once).
             timeout_s = min(self._timeout_s, backoff.remaining_s())
             try:
@@ -399,15 +402,18 @@ class Session:
                     method_name, request, target, timeout_s, hedged, table=table, group=group
                 )
             except RaftStoreError as error:
+                raised: RaftStoreError = error
+                if isinstance(error, transport.SiteUnavailable):
+                    hinted = transport.with_tls_hint(error, self._credentials is not None)
+                    telling = telling or (hinted if hinted is not error else None)
+                    raised = telling or error
                 decision = self.after_failure(
                     memory, target, error, backoff, table=table, group=group, pinned=pinned
                 )
                 if decision.action is Action.DONE:
                     return None
                 if decision.target is None or (decision.backoff and not backoff.wait()):
-                    if isinstance(error, transport.SiteUnavailable):
-                        error = transport.with_tls_hint(error, self._credentials is not None)
-                    raise error from None
+                    raise raised from None
                 memory, target = decision.state, decision.target
             else:
                 if method_name in LEADER_METHODS:

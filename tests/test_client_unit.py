@@ -428,6 +428,34 @@ def test_call_raises_last_error_when_deadline_passes(start_node: Callable[[], Fa
     assert len(node.calls("GetTableInfo")) >= 2  # It did retry, within the deadline.
 
 
+def test_a_tls_hint_seen_during_the_call_is_the_error_it_raises(
+    start_node: Callable[[], FakeNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC's polling engine says why a plaintext connection to a TLS node failed ("Socket
+    closed") once; later attempts that run into the call's deadline while connecting only
+    say that the connect timed out. The call raises the error that told why."""
+    node = start_node()
+    details = iter(["Socket closed"])
+
+    enter = node._enter  # the servicer's methods are bound at start; the hook they call is not
+
+    def enter_unavailable(method: str, request: Any, context: grpc.ServicerContext) -> None:
+        enter(method, request, context)
+        if method == "GetTableInfo":
+            cause = "Failed to connect to remote host: FD Shutdown (connect() timed out)"
+            context.abort(grpc.StatusCode.UNAVAILABLE, next(details, cause))
+
+    monkeypatch.setattr(node, "_enter", enter_unavailable)
+    with (
+        make_session(site(node), deadline_s=0.5) as session,
+        pytest.raises(SiteUnavailable) as raised,
+    ):
+        session.getTableInfo(TABLE)
+    assert len(node.calls("GetTableInfo")) >= 2
+    assert "Socket closed" in str(raised.value)
+    assert "if it has TLS on, connect with tls=True/caFile" in str(raised.value)
+
+
 def test_non_retryable_typed_error_is_raised_at_once(start_node: Callable[[], FakeNode]) -> None:
     node = start_node()
     node.errors["Publish"] = [errors.SchemaMismatch(TABLE, "column price is int32")]
