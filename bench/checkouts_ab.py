@@ -59,39 +59,63 @@ class Cell:
     rows_per_s: float  # timed rows over the timed loop and the flush
     p50_ms: float | None
     rows: int  # every row the cell published, the warm-up append included
+    build_cpu_us: float = 0.0  # the calling thread's CPU per timed append building its rows
+    call_cpu_us: float = 0.0  # ... and inside append / append_async
     node_cpu_ms_per_10k: float = 0.0  # set by run(): the nodes' CPU over `rows`
     node_switches_per_append: float = 0.0  # set by run(): the nodes' context switches
     elections: int = 0  # set by run(): how far the HA group's term moved during the cell
 
 
 def publish(
-    session: Session, table: str, shape: Shape, build: Callable[[int], object], seconds: float
+    session: Session,
+    table: str,
+    shape: Shape,
+    build: Callable[[int], object],
+    seconds: float,
+    *,
+    between: Callable[[], None] = lambda: None,
 ) -> Cell:
     """Publish `shape` (rows made by `build`) into `table` for `seconds`, after one warm-up
-    append."""
+    append; `between()` runs right after the warm-up and right after the last
+    acknowledgement, with the publisher still open (where a caller samples counters)."""
     publisher = Publisher(session, table)
+    clock, cpu = time.perf_counter, time.thread_time
     try:
         if shape.wait:
             publisher.append(build(0))
         else:
             publisher.append_async(build(0)).result()
+        between()
         latencies: list[float] = []
-        number, started = 1, time.perf_counter()
-        while time.perf_counter() - started < seconds:
+        build_s = call_s = 0.0
+        number, started = 1, clock()
+        while clock() - started < seconds:
+            cpu_started = cpu()
             data = build(number)
+            cpu_built = cpu()
             if shape.wait:
-                sent = time.perf_counter()
+                sent = clock()
                 publisher.append(data)
-                latencies.append(time.perf_counter() - sent)
+                latencies.append(clock() - sent)
             else:
                 publisher.append_async(data)
+            call_s += cpu() - cpu_built
+            build_s += cpu_built - cpu_started
             number += 1
         publisher.flush()
-        elapsed = time.perf_counter() - started
+        elapsed = clock() - started
+        between()
     finally:
         publisher.close()
     p50 = statistics.median(latencies) * 1000 if latencies else None
-    return Cell((number - 1) * shape.rows / elapsed, p50, rows=number * shape.rows)
+    timed = max(1, number - 1)
+    return Cell(
+        (number - 1) * shape.rows / elapsed,
+        p50,
+        rows=number * shape.rows,
+        build_cpu_us=build_s / timed * 1e6,
+        call_cpu_us=call_s / timed * 1e6,
+    )
 
 
 _CHECKPOINT_LINE = re.compile(rf"checkpoint group={common.HA_GROUP} .*took_ms=([0-9.]+)")

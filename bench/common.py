@@ -13,7 +13,7 @@ import shutil
 import statistics
 import tempfile
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -109,7 +109,11 @@ def payloads(schema: pa.Schema, rows: int, count: int, first_id: int = 0) -> lis
 def cpu_seconds(pid: int) -> float:
     """utime + stime of every thread of `pid` so far (/proc/<pid>/stat fields 14, 15)."""
     with open(f"/proc/{pid}/stat") as stat:
-        text = stat.read()
+        return _stat_cpu_seconds(stat.read())
+
+
+def _stat_cpu_seconds(text: str) -> float:
+    """utime + stime from the text of a /proc stat file (fields 14 and 15)."""
     fields = text[text.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
@@ -117,24 +121,49 @@ def cpu_seconds(pid: int) -> float:
 _SWITCH_KEYS: Final = frozenset(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
 
 
-def context_switches(pids: Sequence[int]) -> int:
-    """Voluntary and involuntary context switches so far of every thread of the processes
-    `pids`: each is a thread going to sleep or being put off the CPU, the wake-ups a
-    hand-off between threads or processes costs (/proc/<pid>/task/*/status). A process or
-    thread that exited counts 0 (a cell reports its errors)."""
-    total = 0
-    for pid in pids:
+@dataclass(frozen=True)
+class ThreadCounters:
+    """One thread's CPU (utime + stime) and context switches (voluntary and involuntary)
+    so far: a context switch is the thread going to sleep or being put off the CPU, the
+    wake-ups a hand-off between threads or processes costs."""
+
+    cpu_s: float
+    switches: int
+
+
+def thread_counters(pid: int) -> dict[int, ThreadCounters]:
+    """Every live thread of `pid`: tid -> its counters (/proc/<pid>/task/*/stat, status).
+    {} once the process exited; a thread that ends between the listing and the read is left
+    out."""
+    counters: dict[int, ThreadCounters] = {}
+    for task in task_ids(pid):
         try:
-            tasks = os.listdir(f"/proc/{pid}/task")
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                cpu_s = _stat_cpu_seconds(stat.read())
+            with open(f"/proc/{pid}/task/{task}/status") as status:
+                switches = sum(
+                    int(value)
+                    for key, _, value in (line.partition(":") for line in status)
+                    if key in _SWITCH_KEYS
+                )
         except OSError:
             continue
-        for task in tasks:
-            with suppress(OSError), open(f"/proc/{pid}/task/{task}/status") as status:
-                for line in status:
-                    key, _, value = line.partition(":")
-                    if key in _SWITCH_KEYS:
-                        total += int(value)
-    return total
+        counters[task] = ThreadCounters(cpu_s, switches)
+    return counters
+
+
+def task_ids(pid: int) -> list[int]:
+    """The thread ids of `pid` (/proc/<pid>/task); [] once the process exited."""
+    try:
+        return [int(task) for task in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def context_switches(pids: Sequence[int]) -> int:
+    """Context switches so far of every thread of the processes `pids` (`ThreadCounters`).
+    A process or thread that exited counts 0 (a cell reports its errors)."""
+    return sum(counters.switches for pid in pids for counters in thread_counters(pid).values())
 
 
 def memory_kib(pid: int) -> dict[str, int]:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import thread_costs
-from bench.thread_costs import ThreadSample
+from bench import common, thread_costs
+from bench.common import ThreadCounters
 
 _DUMP = """Process 7233: /usr/bin/python -m raftstore --config cluster.cfg --node node1
 Python v3.11.7 (/usr/bin/python3.11)
@@ -43,13 +43,13 @@ def test_this_process_threads_are_sampled_and_named() -> None:
             pass
 
     worker = threading.Thread(target=spin, name="spinner")
-    before = thread_costs.thread_samples(os.getpid())
+    before = common.thread_counters(os.getpid())
     worker.start()
     try:
         assert spinning.wait(10)
         spent_s = 0.05
         while True:  # bounded by the thread's CPU growing; the test timeout backs it
-            after = thread_costs.thread_samples(os.getpid())
+            after = common.thread_counters(os.getpid())
             if worker.native_id in after and after[worker.native_id].cpu_s >= spent_s:
                 break
         names = {**thread_costs.os_thread_names(os.getpid()), **thread_costs.own_thread_names()}
@@ -63,8 +63,8 @@ def test_this_process_threads_are_sampled_and_named() -> None:
 
 
 def test_costs_are_per_append_and_sorted_by_cpu() -> None:
-    before = {1: ThreadSample(1.0, 10), 2: ThreadSample(0.0, 0)}
-    after = {1: ThreadSample(1.5, 30), 2: ThreadSample(2.0, 40), 3: ThreadSample(0.1, 1)}
+    before = {1: ThreadCounters(1.0, 10), 2: ThreadCounters(0.0, 0)}
+    after = {1: ThreadCounters(1.5, 30), 2: ThreadCounters(2.0, 40), 3: ThreadCounters(0.1, 1)}
     costs = thread_costs.costs("leader node1", before, after, {1: "tick", 2: "grpc_0"}, 100)
     assert [(cost.thread, cost.cpu_us, cost.switches) for cost in costs] == [
         ("grpc_0", pytest.approx(20_000), 0.4),
