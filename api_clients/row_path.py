@@ -1,13 +1,14 @@
 """The fast path of a few Python rows: checked on the caller's thread, converted in bulk.
 
-Converting one row to Arrow costs about as much as converting sixty (a `pa.array` call per
-column dominates either way), so an application that publishes row by row spends its time
-in conversion. `Publisher.append_async` therefore takes a short list of row tuples whose
+Converting one row to Arrow costs about as much as converting sixty (the per-call work
+dominates either way), so an application that publishes row by row spends its time in
+conversion. `Publisher.append_async` therefore takes a short list of row tuples whose
 every value is plainly of its column's type (`quick_rows`): it checks them on the caller's
 thread and queues the Python rows; the coalescer's sender converts everything queued
-together, once per request (`rows_table`). Anything else takes the general path
+together, once per request (`rows_table`). A waited `Publisher.append` of such rows
+converts them with `rows_table` too. Anything else takes the general path
 (`batches.to_table`), which is also what decides the errors: a row the quick checks do not
-vouch for is never queued here, so both paths accept and refuse the same rows.
+vouch for never takes this path, so both paths accept and refuse the same rows.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import pyarrow as pa
+
+from api_clients.batches import PerSchema
 
 Check = Callable[[Any], bool]
 ROWS_MAX: Final = 16  # more rows per call amortise the conversion by themselves
@@ -87,13 +90,21 @@ def quick_rows(data: object, checks: tuple[Check, ...]) -> list[Sequence[Any]] |
 
 
 def rows_table(rows: Sequence[Sequence[Any]], schema: pa.Schema) -> pa.Table:
-    """The rows (checked by `quick_rows` against `schema`) as one table: one conversion per
-    column for all of them."""
-    columns = zip(*rows, strict=True)
-    arrays = [
-        pa.array(values, type=field.type) for values, field in zip(columns, schema, strict=True)
-    ]
-    return pa.Table.from_arrays(arrays, schema=schema)
+    """The rows (checked by `quick_rows` against `schema`) as one table. One conversion of
+    them all as a struct array, whose children take their columns' converters (the same
+    values): a quarter of the cost of a `pa.array` per column for a few rows (23 against
+    93 us for one 11-column row), and no more at a thousand. pyarrow reads a list as a
+    struct's (key, value) pairs, so list rows become tuples first."""
+    if any(type(row) is not tuple for row in rows):
+        rows = [tuple(row) for row in rows]
+    struct = pa.array(rows, type=_struct_types.get(schema))
+    table = pa.Table.from_batches([pa.RecordBatch.from_struct_array(struct)])
+    # The struct's fields carry the names, types, nullability and field metadata; only the
+    # schema's own metadata is left to put back.
+    return table.replace_schema_metadata(schema.metadata) if schema.metadata else table
+
+
+_struct_types: PerSchema[pa.StructType] = PerSchema(pa.struct)
 
 
 def size_estimate(rows: Sequence[Sequence[Any]]) -> int:

@@ -258,6 +258,82 @@ def test_the_quick_row_path_accepts_only_rows_the_general_path_converts_the_same
     assert row_path.rows_table(quick, ROW_SCHEMA).equals(expected)
 
 
+# Every type with a quick check, field and schema metadata, a non-nullable column.
+WIDE_SCHEMA = pa.schema(
+    [
+        pa.field("i8", pa.int8(), metadata={b"unit": b"count"}),
+        ("u64", pa.uint64()),
+        ("f32", pa.float32()),
+        ("s", pa.large_string()),
+        ("raw", pa.binary()),
+        ("at", pa.timestamp("ms")),
+        pa.field("id", pa.int64(), nullable=False),
+    ],
+    metadata={b"table": b"wide"},
+)
+_WIDE_ROW = st.tuples(
+    st.integers(-128, 127) | st.none(),
+    st.integers(0, 2**64 - 1) | st.none(),
+    st.floats(allow_nan=False, width=32) | st.none(),
+    st.text(max_size=8) | st.none(),
+    st.binary(max_size=8) | st.none(),
+    st.datetimes(timezones=st.none()) | st.none(),
+    st.integers(-(2**63), 2**63 - 1),
+)
+
+
+def _stream_writer_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+@pytest.mark.unit
+@given(rows=st.lists(_WIDE_ROW, min_size=1, max_size=16), as_lists=st.booleans())
+def test_quick_rows_encode_byte_for_byte_as_the_general_path(
+    rows: list[tuple[object, ...]], as_lists: bool
+) -> None:
+    """The struct conversion of quick rows (tuples or lists) gives the general path's
+    table, schema metadata included, and the same request payload, which is what
+    pyarrow's stream writer writes."""
+    data: list[Any] = [list(row) for row in rows] if as_lists else rows
+    checks = row_path.checks_for(WIDE_SCHEMA)
+    assert checks is not None
+    quick = row_path.quick_rows(data, checks)
+    assert quick is not None
+    expected = batches.to_table(data, WIDE_SCHEMA, "t")
+    table = row_path.rows_table(quick, WIDE_SCHEMA)
+    assert table.schema.equals(WIDE_SCHEMA, check_metadata=True)
+    assert table.equals(expected)
+    payload = batches.encode(table)
+    assert payload == batches.encode(expected) == _stream_writer_bytes(expected)
+
+
+@pytest.mark.unit
+def test_encode_writes_what_the_stream_writer_writes() -> None:
+    """batches.encode builds the stream from the schema's and each batch's messages; the
+    bytes are the stream writer's for slices, several chunks, no rows, metadata, and the
+    types it leaves to the writer (dictionaries, nested)."""
+    base = pa.table(
+        {"id": pa.array(range(100), pa.int64()), "s": pa.array([f"r{n}" for n in range(100)])}
+    )
+    with_metadata = base.replace_schema_metadata({b"k": b"v"})
+    cases = {
+        "plain": base,
+        "a slice": base.slice(7, 30),
+        "two chunks": pa.concat_tables([base.slice(0, 10), base.slice(50, 5)]),
+        "no rows": base.slice(0, 0),
+        "metadata": with_metadata,
+        "the same schema but its metadata": base,  # not the cached message of the one above
+        "dictionary": pa.table({"d": pa.array(["a", "b", "a"]).dictionary_encode()}),
+        "nested": pa.table({"l": pa.array([[1, 2], [], None])}),
+    }
+    for name, table in cases.items():
+        assert batches.encode(table) == _stream_writer_bytes(table), name
+        assert pa.ipc.open_stream(batches.encode(table)).read_all().equals(table), name
+
+
 @pytest.mark.unit
 def test_the_quick_row_path_refuses_what_it_cannot_vouch_for() -> None:
     checks = row_path.checks_for(ROW_SCHEMA)
