@@ -10,7 +10,9 @@ bool, timestamp, date, 20-char string) written to HA tables keyed by `id`:
   (`availableNow`, one micro-batch), batchRows 10000;
 - the plain client: `Publisher.append` of the same Arrow rows, 10000 rows per request, with
   1 and 2 publisher threads;
-The write cells run interleaved, round by round (`--repeat` rounds), and the Spark writes
+The write cells run interleaved, round by round (`--repeat` rounds), after `--warmup`
+untimed rounds of them (default 1: the first Spark write of a session starts its Python
+workers and warms the JVM, 2-4 times a steady write's seconds), and the Spark writes
 are also given as a share of the 1-thread Publisher: the median of the per-round ratios.
 - `spark.readStream.format("hastream")` with `availableNow` (micro-batches of 200000 rows)
   into the `noop` sink, and a batch `spark.read` into `noop`;
@@ -90,6 +92,7 @@ class Row:
     seconds: float
     share: str
     runs: list[float]
+    warmup_runs: list[float] = dataclasses.field(default_factory=list)  # untimed rounds
 
 
 def timed_runs(repeat: int, run: Callable[[int], float]) -> list[float]:
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.spark_bench")
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds of the writes")
     parser.add_argument("--markdown", type=Path, default=RESULTS_STEM.with_suffix(".md"))
     parser.add_argument("--json", type=Path, default=RESULTS_STEM.with_suffix(".json"))
     args = parser.parse_args(argv)
@@ -110,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": command,
         "rows": args.rows,
         "repeat": args.repeat,
+        "warmup": args.warmup,
         "machine": common.machine(),
         "loadavg_start": list(os.getloadavg()),
     }
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cluster.start()
         cluster.leader()
-        results = run_all(spark, cluster, root, args.rows, args.repeat)
+        results = run_all(spark, cluster, root, args.rows, args.repeat, args.warmup)
     finally:
         spark.stop()
         cluster.stop()
@@ -148,6 +153,8 @@ def report(results: list[Row], rows: int, meta: dict[str, Any]) -> str:
         f"- date: {meta['date']}",
         f"- command: `{meta['command']}`",
         f"- rows: {rows:,} of 11 columns; best of {meta['repeat']} runs each",
+        f"- warm-up: {meta['warmup']} untimed round(s) of every write first (Spark's Python"
+        " workers start, the JVM warms up); their seconds are in the JSON (`warmup_runs`)",
         f"- load average (1, 5, 15 min): start {start}; end {end}",
         f"- machine: {machine['cpus']} CPUs, {machine['cpu_model']}, Python {machine['python']},"
         f" pyarrow {machine['pyarrow']}, code {machine['code']}",
@@ -162,7 +169,9 @@ def report(results: list[Row], rows: int, meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_all(spark: Any, cluster: LocalCluster, root: Path, rows: int, repeat: int) -> list[Row]:
+def run_all(
+    spark: Any, cluster: LocalCluster, root: Path, rows: int, repeat: int, warmup: int
+) -> list[Row]:
     sites = ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes.values())
     client = Session(sites.split(","))
     frame = spark.range(rows, numPartitions=2).selectExpr(*COLUMNS).cache()
@@ -273,6 +282,10 @@ def run_all(spark: Any, cluster: LocalCluster, root: Path, rows: int, repeat: in
         "df.write hastream, batchRows 50000": spark_write(50_000),
         "client Publisher.append, 10000-row requests, 2 threads": client_write(2),
     }
+    warmups: dict[str, list[float]] = {name: [] for name in writes}
+    for _ in range(warmup):
+        for name, run in writes.items():
+            warmups[name].append(run(-1))
     seconds: dict[str, list[float]] = {name: [] for name in writes}
     for attempt in range(repeat):  # interleaved: drifting load hits every cell alike
         for name, run in writes.items():
@@ -281,7 +294,7 @@ def run_all(spark: Any, cluster: LocalCluster, root: Path, rows: int, repeat: in
     for name, runs in seconds.items():
         ratios = sorted(base / own for base, own in zip(seconds[PUBLISHER], runs, strict=True))
         share = "" if name == PUBLISHER else f"{ratios[len(ratios) // 2]:.0%}"
-        results.append(Row(name, min(runs), share, runs))
+        results.append(Row(name, min(runs), share, runs, warmups[name]))
     source = new_table()
     Publisher(client, source).append(arrow_rows)
     assert fresh_count(client, source) == rows

@@ -41,4 +41,8 @@ def test_the_spark_benchmark_writes_its_table_and_every_run(tmp_path: Path) -> N
     by_name = {row["name"]: row for row in results}
     assert by_name["df.write hastream, batchRows 10000"]["share"].endswith("%")
     assert all(len(row["runs"]) == 1 and row["seconds"] > 0 for row in results)
+    writes = [row for row in results if "write" in row["name"] or "append" in row["name"]]
+    assert len(writes) == 5
+    assert all(len(row["warmup_runs"]) == 1 for row in writes)
+    assert "- warm-up: 1 untimed round(s) of every write first" in text
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith("spark-bench-")] == []
