@@ -205,9 +205,13 @@ def machine() -> dict[str, object]:
     }
 
 
+# What the benchmarks run: the node, its wire format, the clients and the Spark connector.
+_PRODUCT_DIRS: Final = ("raftstore", "proto", "api_clients", "hastream", "spark_publisher")
+
+
 def code_version() -> str:
-    """The last commit that changed the node (raftstore/, proto/), '+dirty' with local
-    changes there: what the measured node processes ran."""
+    """The last commit that changed the product (`_PRODUCT_DIRS`), '+dirty' with local
+    changes there: what the measured node and client code ran."""
     import subprocess
 
     def git(*args: str) -> str:
@@ -215,8 +219,8 @@ def code_version() -> str:
             ["git", *args], cwd=REPO, capture_output=True, text=True, check=False
         ).stdout.strip()
 
-    commit = git("log", "-1", "--format=%h", "--", "raftstore", "proto") or "unknown"
-    dirty = git("status", "--porcelain", "--", "raftstore", "proto")
+    commit = git("log", "-1", "--format=%h", "--", *_PRODUCT_DIRS) or "unknown"
+    dirty = git("status", "--porcelain", "--", *_PRODUCT_DIRS)
     return commit + ("+dirty" if dirty else "")
 
 
