@@ -323,6 +323,7 @@ def test_encode_writes_what_the_stream_writer_writes() -> None:
         "plain": base,
         "a slice": base.slice(7, 30),
         "two chunks": pa.concat_tables([base.slice(0, 10), base.slice(50, 5)]),
+        "many chunks": pa.concat_tables([base.slice(start, 3) for start in range(0, 30, 3)]),
         "no rows": base.slice(0, 0),
         "metadata": with_metadata,
         "the same schema but its metadata": base,  # not the cached message of the one above
