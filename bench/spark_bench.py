@@ -44,8 +44,6 @@ from typing import Any
 
 import pyarrow as pa
 
-# The client before grpc (bench.common imports it): the driver's own Publisher, the baseline,
-# gets the same gRPC engine as the tasks' (hastream/grpc_engine.py).
 from api_clients import Publisher, Session, TableExists
 from bench import common
 from deploy.local_cluster import LocalCluster, wait_until

@@ -37,8 +37,10 @@ def _experiments_after(code: str, environment: dict[str, str]) -> str | None:
     return value
 
 
-@pytest.mark.parametrize("package", ["api_clients", "raftstore", "spark_publisher"])
-def test_importing_the_client_or_the_node_first_picks_the_polling_engine(package: str) -> None:
+@pytest.mark.parametrize("package", ["api_clients", "raftstore", "spark_publisher", "bench"])
+def test_importing_the_client_the_node_or_the_benchmarks_first_picks_the_polling_engine(
+    package: str,
+) -> None:
     assert _experiments_after(f"import {package}", {}) == grpc_engine.POLLING
 
 
