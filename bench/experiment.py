@@ -28,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Final
 
-from bench import common, throughput
+from bench import common, throughput, timeline
 from deploy.local_cluster import LocalCluster
 from raftstore import tuning
 
@@ -75,6 +75,29 @@ def read_traces(cluster: LocalCluster) -> dict[str, dict[str, dict[str, float]]]
     return found
 
 
+def publish_leader(summaries: dict[str, dict[str, dict[str, float]]]) -> str | None:
+    """The node that answered the publishes (the most Publish handler samples): the HA
+    group's leader. A node that led another group for a moment, or this one before an
+    election, also has stages named "leader: ..."; it is not the one measured."""
+    answered = {
+        alias: summary.get(_ANSWERED, {}).get("count", 0) for alias, summary in summaries.items()
+    }
+    best = max(answered, key=lambda alias: answered[alias], default=None)
+    return best if best is not None and answered[best] > 0 else None
+
+
+_ANSWERED: Final = "gRPC Publish handler (total)"
+
+
+def between_nodes(cluster: LocalCluster, leader: str) -> dict[str, list[float]]:
+    """The hops of the leader's entries between the nodes (bench/timeline.py)."""
+    timelines = timeline.load({alias: trace_path(cluster.root, alias) for alias in cluster.nodes})
+    if leader not in timelines:
+        return {}
+    followers = [found for alias, found in timelines.items() if alias != leader]
+    return timeline.hops(timelines[leader], followers)
+
+
 def cpu_ms_per_10k_rows(result: throughput.CellResult) -> float:
     nodes = sum(cores for alias, cores in result.cpu_cores.items() if alias != "client")
     return nodes * result.wall_s * 1000 / max(result.rows, 1) * 10_000
@@ -99,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     }
     results: dict[str, list[throughput.CellResult]] = {config: [] for config in args.configs}
     traces: dict[str, list[dict[str, object]]] = {}
+    between: dict[str, dict[str, list[float]]] = {}  # config -> hop -> seconds (timeline.py)
     versions: set[str] = set()
     for repeat in range(args.repeat):
         shift = repeat % len(args.configs)
@@ -125,11 +149,17 @@ def run(args: argparse.Namespace) -> int:
                             print(f"{config:>40} {throughput._progress_line(result)}", flush=True)
             finally:
                 cluster.stop()
-                for alias, summary in read_traces(cluster).items():
-                    role = "leader" if any(k.startswith("leader") for k in summary) else "follower"
+                summaries = read_traces(cluster)
+                leader = publish_leader(summaries)
+                for alias, summary in summaries.items():
+                    role = "leader" if alias == leader else "follower"
                     traces.setdefault(config, []).append({"node": alias, "role": role, **summary})
+                if leader is not None:
+                    hops = between_nodes(cluster, leader)
+                    for hop, seconds in hops.items():
+                        between.setdefault(config, {}).setdefault(hop, []).extend(seconds)
                 shutil.rmtree(root, ignore_errors=True)
-    text = report(args, cells, results, sorted(versions)) + trace_report(traces)
+    text = report(args, cells, results, sorted(versions)) + trace_report(traces, between)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.md").write_text(text)
     (args.out / f"{args.name}.json").write_text(
@@ -194,9 +224,16 @@ def report(
     return "\n".join(lines) + "\n"
 
 
-def trace_report(traces: dict[str, list[dict[str, object]]]) -> str:
-    """Median over runs of each stage's p50, for the leader and for the followers."""
+def trace_report(
+    traces: dict[str, list[dict[str, object]]],
+    between: dict[str, dict[str, list[float]]] | None = None,
+) -> str:
+    """Median over runs of each stage's p50, for the leader and for the followers; then,
+    from the nodes' timelines, the hops between them (every entry of every run)."""
     lines: list[str] = []
+    for config, hops in (between or {}).items():
+        lines += ["", f"## Between the nodes: `{config}` (bench/timeline.py, ms)", ""]
+        lines += timeline.report(hops)
     for config, runs in traces.items():
         lines += ["", f"## Where an entry's time goes: `{config}` (raftstore/trace.py, ms)", ""]
         lines += ["| node | stage | p50 | p90 | mean | count |", "|---|---|---:|---:|---:|---:|"]

@@ -52,7 +52,7 @@ import pysyncobj.tcp_server as pysyncobj_tcp_server
 import pysyncobj.transport as pysyncobj_transport
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from raftstore import limits
+from raftstore import limits, trace
 from raftstore.log_limits import OncePerInterval
 from raftstore.peer_frames import FrameTooLong, Inbox, Outbox
 from raftstore.storage.journal import DurableJournal
@@ -439,12 +439,22 @@ def _connection_send(self: Any, message: Any) -> None:
     _outbox(self).add_frame(pieces)
     self._TcpConnection__trySendBuffer()  # its timeout check sees the previous send
     self._hastream_last_send = pysyncobj_tcp_connection.monotonicTime()
+    tracer = trace.current()
+    if tracer.on:
+        _trace_sent(tracer, message)
     unsent = self.getSendBufferSize()
     if unsent > limits.RAFT_SEND_BUFFER_BYTES_MAX:
         log.warning("dropping raft link: %d unsent bytes, the peer is not reading", unsent)
         self.disconnect()
     elif unsent:
         _poll_for_write(self)
+
+
+def _trace_sent(tracer: trace.Trace, message: Any) -> None:
+    """An append_entries with entries, (link key, body) or body, on the node's timeline."""
+    body = message[1] if type(message) is tuple else message
+    if type(body) is dict and body.get("type") == "append_entries" and body.get("entries"):
+        tracer.entries_sent(int(body["entries"][-1][1]), trace.clock())
 
 
 def _sealed(encryptor: AesGcmEncryptor, message: Any, now: int) -> Sequence[bytes]:

@@ -477,6 +477,7 @@ def _on_message_received(self: _SyncObj, node: Any, message: Any) -> Any:
     if not entries:
         return _original_on_message_received(self, node, message)
     started = trace.clock()
+    tracer.entries_received(int(entries[-1][1]), started)
     held = self._journal[-1][1] if len(self._journal) else 0
     result = _original_on_message_received(self, node, message)
     again = max(0, held - int(message.get("prevLogIdx", held)))

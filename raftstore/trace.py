@@ -4,7 +4,12 @@ The node calls `current()` at each hand-off (propose -> journal add -> fdatasync
 follower ack -> apply -> Publish answered; on a follower: append_entries handled). The
 default `Trace` records nothing and says so through `on`, so a call site costs one
 attribute test per entry. `RecordingTrace` (installed when tuning.trace_file is set, for
-bench.experiment --trace) keeps per-stage samples and writes their summary as JSON at close.
+bench.experiment --trace) keeps per-stage samples and writes their summary as JSON at
+close, and beside it the node's timeline (`timeline_path`): the clock time of each entry's
+journal add, of each fdatasync (with the last index it covered), of each follower
+acknowledgement the leader took and of each apply's start. `clock` is CLOCK_MONOTONIC, one
+clock for every process of the machine, so bench/timeline.py lines the nodes' timelines
+up: where an entry's time goes between them.
 """
 
 from __future__ import annotations
@@ -17,8 +22,20 @@ from typing import Final
 clock: Final = time.perf_counter
 _SAMPLES_MAX: Final = 200_000  # per stage: bounded however long the node runs
 _PENDING_MAX: Final = 10_000  # proposed/added/applied stamps kept for correlation
+_EVENTS_MAX: Final = 200_000  # per kind of timeline event: bounded however long the node runs
 
 Summary = dict[str, dict[str, float]]
+# Timeline event kinds -> [index, clock time] pairs in the order they happened: "sent" (an
+# append_entries up to the index went to a follower's socket), "received" (a follower
+# decoded one, before handling it), "added" (an entry's journal add ended), "durable" (an
+# fdatasync ended; the index is the last it covered), "acked" (the leader took a follower's
+# acknowledgement up to the index), "apply" (an entry's apply started).
+Timeline = dict[str, list[tuple[int, float]]]
+
+
+def timeline_path(summary_path: Path) -> Path:
+    """Where a node's timeline goes, beside its summary."""
+    return summary_path.with_name(f"{summary_path.stem}-timeline.json")
 
 
 class Trace:
@@ -39,6 +56,12 @@ class Trace:
         pass
 
     def follower_acked(self, covered_index: int, now: float) -> None:
+        pass
+
+    def entries_sent(self, last_index: int, now: float) -> None:
+        pass
+
+    def entries_received(self, last_index: int, now: float) -> None:
         pass
 
     def applied(self, index: int, started: float, finished: float, *, leader: bool) -> None:
@@ -65,6 +88,9 @@ class RecordingTrace(Trace):
         self._applied: dict[int, float] = {}  # log index -> apply finished (leader)
         self._synced_to = 0  # highest index known durable here
         self._acked_to = 0  # highest index some follower acknowledged (leader)
+        self._timeline: Timeline = {
+            kind: [] for kind in ("sent", "received", "added", "durable", "acked", "apply")
+        }
 
     def proposed(self, command: bytes) -> None:
         _bounded_put(self._proposed, id(command), clock())
@@ -75,6 +101,7 @@ class RecordingTrace(Trace):
         if proposed is not None:
             self._note("leader: propose -> journal add (queue, tick wake-up)", started - proposed)
         _bounded_put(self._added, index, finished)
+        self._event("added", index, finished)
 
     def journal_synced(self, last_index: int, started: float, finished: float) -> None:
         self._note("fdatasync (journal)", finished - started)
@@ -83,6 +110,7 @@ class RecordingTrace(Trace):
             if added is not None:
                 self._note("journal add -> durable (this node)", finished - added)
         self._synced_to = max(self._synced_to, last_index)
+        self._event("durable", last_index, finished)
 
     def follower_handled(self, entries: int, again: int, started: float, finished: float) -> None:
         self._count("follower: entries received", entries)
@@ -97,8 +125,16 @@ class RecordingTrace(Trace):
             if added is not None:
                 self._note("leader: journal add -> first follower ack", now - added)
         self._acked_to = max(self._acked_to, covered_index)
+        self._event("acked", covered_index, now)
+
+    def entries_sent(self, last_index: int, now: float) -> None:
+        self._event("sent", last_index, now)
+
+    def entries_received(self, last_index: int, now: float) -> None:
+        self._event("received", last_index, now)
 
     def applied(self, index: int, started: float, finished: float, *, leader: bool) -> None:
+        self._event("apply", index, started)
         added = self._added.pop(index, None)
         if added is not None and leader:
             self._note("leader: journal add -> apply start (commit)", started - added)
@@ -127,6 +163,12 @@ class RecordingTrace(Trace):
 
     def close(self) -> None:
         self._path.write_text(json.dumps(self.summary(), indent=1))
+        timeline_path(self._path).write_text(json.dumps(self._timeline))
+
+    def _event(self, kind: str, index: int, at: float) -> None:
+        events = self._timeline[kind]
+        if len(events) < _EVENTS_MAX:
+            events.append((index, at))
 
     def _note(self, stage: str, seconds: float) -> None:
         samples = self._stages.setdefault(stage, [])

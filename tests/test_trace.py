@@ -62,3 +62,30 @@ def test_stamps_of_entries_that_never_complete_stay_bounded(tmp_path: Path) -> N
         recording.proposed(bytes(8))
     assert len(recording._added) <= trace._PENDING_MAX
     assert len(recording._proposed) <= trace._PENDING_MAX
+
+
+def test_the_timeline_is_written_beside_the_summary(tmp_path: Path) -> None:
+    recording = trace.RecordingTrace(tmp_path / "node1-trace.json")
+    recording.journal_added(b"c", 7, 1.0, 1.5)
+    recording.entries_sent(7, 1.6)
+    recording.entries_received(7, 1.7)
+    recording.journal_synced(7, 1.8, 2.0)
+    recording.follower_acked(7, 2.1)
+    recording.applied(7, 2.2, 2.3, leader=True)
+    recording.close()
+    written = json.loads(trace.timeline_path(tmp_path / "node1-trace.json").read_text())
+    assert written == {
+        "sent": [[7, 1.6]],
+        "received": [[7, 1.7]],
+        "added": [[7, 1.5]],
+        "durable": [[7, 2.0]],
+        "acked": [[7, 2.1]],
+        "apply": [[7, 2.2]],
+    }
+
+
+def test_timeline_events_stay_bounded(tmp_path: Path) -> None:
+    recording = trace.RecordingTrace(tmp_path / "t.json")
+    for index in range(trace._EVENTS_MAX + 10):
+        recording.entries_sent(index, 0.0)
+    assert len(recording._timeline["sent"]) == trace._EVENTS_MAX
