@@ -224,8 +224,8 @@ class Publisher:
         with self._lock:
             schema = self._table_schema()
             rows = self._quick_rows(data, schema)
-            # A few plain rows: one struct conversion (row_path.py), a third of the general
-            # path's cost, which a waited one-row append pays on its round trip.
+            # A few plain rows: one struct conversion (row_path.py), a sixth of the general
+            # path's cost for one row, which a waited one-row append pays on its round trip.
             table = self._to_table(data) if rows is None else row_path.rows_table(rows, schema)
             chunks = batches.encode_chunks(table, bytes_max=self._batch_bytes_max)
             if self._buffer is not None:

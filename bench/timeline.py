@@ -1,10 +1,11 @@
 """Where an entry's time goes between the nodes: the nodes' trace timelines lined up.
 
 Each node traced by `bench.experiment --trace` writes, beside its stage summary, a timeline
-(raftstore/trace.py): when each entry's journal add ended, each fdatasync ended (and the last
-index it covered), the leader took a follower's acknowledgement, and each apply started, on
-the machine's one monotonic clock. For every entry the leader added, `hops` follows it to
-the follower that made it durable first and back:
+(raftstore/trace.py): when each append_entries was sent and received, each entry's journal
+add ended, each fdatasync ended (and the last index it covered), the leader took a
+follower's acknowledgement, and each apply started, on the machine's one monotonic clock.
+For every entry the leader added, `hops` follows it to the follower that made it durable
+first and back:
 
     leader add -> sent                 the leader encodes and sends the append_entries
     leader add -> follower received    ... and the follower wakes up, reads and decodes it
@@ -15,7 +16,9 @@ the follower that made it durable first and back:
     leader ack -> apply start          the commit, once the leader is durable too
 
 The per-node summary gives each node's own stages; only the timelines show the time spent
-between processes (the sends, the wake-ups, the waits behind other work).
+between processes (the sends, the wake-ups, the waits behind other work). A trace is one
+per process and Raft indexes are per group: the timelines read as one group's while one
+group takes the writes, as in bench.experiment (the HA group only).
 """
 
 from __future__ import annotations

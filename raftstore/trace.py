@@ -5,11 +5,11 @@ follower ack -> apply -> Publish answered; on a follower: append_entries handled
 default `Trace` records nothing and says so through `on`, so a call site costs one
 attribute test per entry. `RecordingTrace` (installed when tuning.trace_file is set, for
 bench.experiment --trace) keeps per-stage samples and writes their summary as JSON at
-close, and beside it the node's timeline (`timeline_path`): the clock time of each entry's
-journal add, of each fdatasync (with the last index it covered), of each follower
-acknowledgement the leader took and of each apply's start. `clock` is CLOCK_MONOTONIC, one
-clock for every process of the machine, so bench/timeline.py lines the nodes' timelines
-up: where an entry's time goes between them.
+close, and beside it the node's timeline (`timeline_path`): the clock time of each
+append_entries sent and received, each entry's journal add, each fdatasync (with the last
+index it covered), each follower acknowledgement the leader took and each apply's start.
+`clock` is CLOCK_MONOTONIC, one clock for every process of the machine, so
+bench/timeline.py lines the nodes' timelines up: where an entry's time goes between them.
 """
 
 from __future__ import annotations
