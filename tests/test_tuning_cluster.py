@@ -1,6 +1,7 @@
 """A cluster whose nodes start with HASTREAM_TUNING (raftstore/tuning.py), as bench.experiment
 starts them: every knob takes effect on real node processes, publishes are served, and each
-node writes its trace (raftstore/trace.py) when it stops. A bad knob refuses the start."""
+node writes its trace (raftstore/trace.py) and its timeline when it stops, which
+bench/timeline.py lines up. A bad knob refuses the start."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import pyarrow as pa
 import pytest
 
 from api_clients import Publisher, Session
+from bench import timeline
 from deploy.local_cluster import REPO
 from tests.harness import LocalCluster, assert_replicas_hold_exactly
 
 pytestmark = pytest.mark.cluster
+_TRACE_FILES = (".json", "-timeline.json")  # a node's summary and its timeline
 
 SCHEMA = pa.schema([("id", pa.int64()), ("price", pa.float64())])
 
@@ -39,8 +42,11 @@ def test_tuned_nodes_serve_publishes_and_write_their_traces(tmp_path: Path) -> N
         assert_replicas_hold_exactly(cluster, "tuned", list(range(200)))
     finally:
         cluster.stop()
-    summaries = {path.stem: json.loads(path.read_text()) for path in traces.glob("*.json")}
-    assert set(summaries) == set(cluster.nodes), sorted(summaries)
+    written = sorted(path.name for path in traces.iterdir())
+    assert written == sorted(f"{alias}{end}" for alias in cluster.nodes for end in _TRACE_FILES)
+    summaries = {
+        alias: json.loads((traces / f"{alias}.json").read_text()) for alias in cluster.nodes
+    }
     ours = summaries[leader]
     for stage in (
         "leader: propose -> journal add (queue, tick wake-up)",
@@ -53,6 +59,13 @@ def test_tuned_nodes_serve_publishes_and_write_their_traces(tmp_path: Path) -> N
     followers = [summary for alias, summary in summaries.items() if alias != leader]
     for summary in followers:
         assert summary["follower: entries received"]["count"] >= 20, summary
+    # Beside each summary, the node's timeline (bench/timeline.py lines them up).
+    timelines = timeline.load({alias: traces / f"{alias}.json" for alias in cluster.nodes})
+    for kind in ("sent", "added", "durable", "acked", "apply"):
+        assert len(timelines[leader][kind]) >= 20, kind
+    hops = timeline.hops(timelines[leader], [timelines[a] for a in cluster.nodes if a != leader])
+    assert all(len(seconds) >= 15 for seconds in hops.values()), hops  # of 20 publishes
+    assert all(seconds >= 0 for seconds in hops["leader add -> apply start (all of it)"])
 
 
 def test_a_bad_knob_refuses_the_start_naming_it(tmp_path: Path) -> None:
