@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from api_clients.admin import schema_to_ipc
 from hastream import wire
 from hastream.errors import BatchTooLarge, EmptyBatch, InvalidArgument, SchemaMismatch
 
@@ -228,7 +229,7 @@ def _flat_schema_message(schema: pa.Schema) -> bytes | None:
             or isinstance(kind, pa.ExtensionType)
         ):
             return None
-    return bytes(schema.serialize().to_pybytes())
+    return schema_to_ipc(schema)
 
 
 _schema_messages: PerSchema[bytes | None] = PerSchema(_flat_schema_message)

@@ -280,19 +280,18 @@ def run_all(
         "df.write hastream, batchRows 50000": spark_write(50_000),
         "client Publisher.append, 10000-row requests, 2 threads": client_write(2),
     }
-    warmups: dict[str, list[float]] = {name: [] for name in writes}
-    for _ in range(warmup):
+    rounds: dict[str, list[float]] = {name: [] for name in writes}
+    # Interleaved, so drifting load hits every cell alike; the first `warmup` rounds are
+    # untimed (attempts below 0).
+    for attempt in range(-warmup, repeat):
         for name, run in writes.items():
-            warmups[name].append(run(-1))
-    seconds: dict[str, list[float]] = {name: [] for name in writes}
-    for attempt in range(repeat):  # interleaved: drifting load hits every cell alike
-        for name, run in writes.items():
-            seconds[name].append(run(attempt))
+            rounds[name].append(run(attempt))
+    seconds = {name: runs[warmup:] for name, runs in rounds.items()}
     results: list[Row] = []
     for name, runs in seconds.items():
         ratios = sorted(base / own for base, own in zip(seconds[PUBLISHER], runs, strict=True))
         share = "" if name == PUBLISHER else f"{ratios[len(ratios) // 2]:.0%}"
-        results.append(Row(name, min(runs), share, runs, warmups[name]))
+        results.append(Row(name, min(runs), share, runs, rounds[name][:warmup]))
     source = new_table()
     Publisher(client, source).append(arrow_rows)
     assert fresh_count(client, source) == rows

@@ -144,12 +144,17 @@ def measure(cluster: LocalCluster, shape: Shape, seconds: float) -> tuple[Cell, 
         cell = publish(session, table, shape, build, seconds, between=sample)
     finally:
         session.close()
-    appends = cell.rows // shape.rows - 1  # the warm-up append is outside the samples
+    appends = timed_appends(cell, shape)
     before, after = samples
     result: list[ThreadCost] = []
     for process in pids:
         result += costs(process, before[process], after[process], names[process], appends)
     return cell, result
+
+
+def timed_appends(cell: Cell, shape: Shape) -> int:
+    """The cell's appends after the warm-up one (the samples are taken around them)."""
+    return cell.rows // shape.rows - 1
 
 
 def _names(pid: int) -> dict[int, str]:
@@ -160,7 +165,7 @@ def _names(pid: int) -> dict[int, str]:
 def report(shape: Shape, cell: Cell, thread_costs: Sequence[ThreadCost]) -> str:
     """The Markdown tables: per process, its notable threads and its totals."""
     kind = "wait" if shape.wait else "async"
-    appends = cell.rows // shape.rows - 1
+    appends = timed_appends(cell, shape)
     lines = [
         f"shape {kind}:{shape.rows}: {appends:,} appends, {cell.rows_per_s:,.0f} rows/s"
         + (f", p50 {cell.p50_ms:.2f} ms" if cell.p50_ms is not None else "")
