@@ -64,6 +64,7 @@ class Cell:
     node_cpu_ms_per_10k: float = 0.0  # set by run(): the nodes' CPU over `rows`
     node_switches_per_append: float = 0.0  # set by run(): the nodes' context switches
     elections: int = 0  # set by run(): how far the HA group's term moved during the cell
+    steal: float = 0.0  # set by run(): the machine's CPU time stolen by the hypervisor
 
 
 def publish(
@@ -164,6 +165,7 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
                 pids = list(common.node_pids(clusters[arm]).values())
                 term = common.ha_term(clusters[arm])
                 switches = common.context_switches(pids)
+                machine = common.CpuTimes.now()
                 with cpu_meter(pids) as spent:
                     cell = publish(sessions[arm], table, shape, build, seconds)
                 cell = replace(
@@ -172,6 +174,7 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
                     node_switches_per_append=(common.context_switches(pids) - switches)
                     / (cell.rows / shape.rows),
                     elections=common.ha_term(clusters[arm]) - term,
+                    steal=common.CpuTimes.now().steal_share_since(machine),
                 )
                 cells[arm].append(cell)
                 latency = "" if cell.p50_ms is None else f", p50 {cell.p50_ms:.2f} ms"
@@ -179,8 +182,8 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
                 print(
                     f"round {number} {arm}: {cell.rows_per_s:,.0f} rows/s{latency}, "
                     f"node CPU {cell.node_cpu_ms_per_10k:,.1f} ms per 10k rows, "
-                    f"{cell.node_switches_per_append:.1f} node context switches per append"
-                    f"{elections}",
+                    f"{cell.node_switches_per_append:.1f} node context switches per append, "
+                    f"steal {cell.steal:.0%}{elections}",
                     flush=True,
                 )
         for arm, cluster in clusters.items():
@@ -218,7 +221,26 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
         f"x{cpu['B'] / cpu['A']:.2f}, context switches per append "
         f"x{switches['B'] / switches['A']:.2f} (load average {common.load_average():.1f})"
     )
+    print(paired_summary(cells["A"], cells["B"]))
     return 0
+
+
+def paired_summary(a: list[Cell], b: list[Cell]) -> str:
+    """The B/A ratios of each round's two cells, which ran back to back: their median, and
+    the range of the steal the rounds saw. On a VM whose host takes a third of the CPU one
+    minute and nothing the next, a round's pair shares its minute; the ratio of the
+    medians above mixes minutes."""
+    pairs = list(zip(a, b, strict=True))
+    rows = statistics.median(y.rows_per_s / x.rows_per_s for x, y in pairs)
+    cpu_ratios = [
+        y.node_cpu_ms_per_10k / x.node_cpu_ms_per_10k for x, y in pairs if x.node_cpu_ms_per_10k
+    ]
+    cpu = f", node CPU per row x{statistics.median(cpu_ratios):.2f}" if cpu_ratios else ""
+    steal = [cell.steal for cell in a + b]
+    return (
+        f"B/A round by round (median of the {len(pairs)} pairs): rows/s x{rows:.2f}{cpu};"
+        f" steal {min(steal):.0%}-{max(steal):.0%} of the machine's CPU"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,6 +118,34 @@ def _stat_cpu_seconds(text: str) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
+@dataclass(frozen=True)
+class CpuTimes:
+    """The machine's CPU time so far, in clock ticks (/proc/stat's first line): all of it,
+    and what the hypervisor gave other guests while this one had work to run (`steal`).
+    On a shared VM, steal is what makes one run's rows/s differ from the next run's."""
+
+    total: int
+    steal: int
+
+    @staticmethod
+    def now() -> CpuTimes:
+        with open("/proc/stat") as stat:
+            return CpuTimes.parse(stat.readline())
+
+    @staticmethod
+    def parse(line: str) -> CpuTimes:
+        """From /proc/stat's "cpu  user nice system idle iowait irq softirq steal ..."
+        (guest time is counted in user already: not added twice)."""
+        values = [int(value) for value in line.split()[1:]]
+        steal = values[7] if len(values) > 7 else 0
+        return CpuTimes(total=sum(values[:8]), steal=steal)
+
+    def steal_share_since(self, before: CpuTimes) -> float:
+        """The share of the machine's CPU time stolen between `before` and this."""
+        total = self.total - before.total
+        return (self.steal - before.steal) / total if total > 0 else 0.0
+
+
 _SWITCH_KEYS: Final = frozenset(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
 
 

@@ -199,3 +199,7 @@ SLOW_CONSUMER_S: Final = 30.0
 # A Raft listener that pysyncobj closed (an accept failed: EMFILE) is bound again this often
 # until it works (pysyncobj_patches._rebind_if_closed).
 RAFT_REBIND_S: Final = 0.5
+
+# pysyncobj's connection upkeep (bind, reconnect, stale handshakes) runs on at most one Raft
+# tick per this interval, not on every tick (pysyncobj_patches._transport_tick).
+RAFT_TRANSPORT_TICK_S: Final = 0.005

@@ -22,7 +22,11 @@ Process-wide (`install`):
 - `TcpConnection.__processConnectionTimeout` (a silent link is dropped only when this node
   has been talking on it and nothing waits to be read);
 - `TCPTransport._onNewIncomingConnection` and `_onTick` (at most RAFT_UNAUTHENTICATED_MAX
-  accepted links wait for their handshake, each at most RAFT_HANDSHAKE_S).
+  accepted links wait for their handshake, each at most RAFT_HANDSHAKE_S; the connection
+  upkeep runs on at most one tick per RAFT_TRANSPORT_TICK_S);
+- the tick thread's per-tick overhead: `monotonicTime` in syncobj, tcp_connection and
+  transport is a C partial of the same clock instead of a lambda around it, and
+  `Node.__hash__`/`__eq__` read the id without its property.
 Per class, in replication.py's `_SyncObj` (listed in `SYNCOBJ_METHODS` for the guard):
 `__applyLogEntries`, `__doApplyCommand`, `__getEntries`, `__onMessageReceived`,
 `__sendNextNodeIdx`, `__tryLogCompaction`.
@@ -31,6 +35,7 @@ Per class, in replication.py's `_SyncObj` (listed in `SYNCOBJ_METHODS` for the g
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import importlib.metadata
 import itertools
@@ -39,11 +44,13 @@ import os
 import pickle
 import socket
 import struct
+import time
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
+import pysyncobj.node as pysyncobj_node
 import pysyncobj.pickle as pysyncobj_pickle
 import pysyncobj.poller as pysyncobj_poller
 import pysyncobj.syncobj as pysyncobj_syncobj
@@ -131,6 +138,9 @@ _MODULE_NAMES: Final = (
     (pysyncobj_tcp_server.TcpServer, "_TcpServer__onNewConnection"),
     (pysyncobj_tcp_server.TcpServer, "bind"),
     (pysyncobj_tcp_server, "SERVER_STATE"),
+    (pysyncobj_syncobj, "monotonicTime"),
+    (pysyncobj_transport, "monotonicTime"),
+    (pysyncobj_node.Node, "__hash__"),
 )
 
 _installed = False
@@ -408,6 +418,27 @@ def install() -> None:
     transport = pysyncobj_transport.TCPTransport
     transport._onNewIncomingConnection = _incoming_connection
     transport._onTick = _transport_tick
+    # The tick thread's own overhead, paid several times per entry on every node: a C clock
+    # call instead of a lambda around the same one, and a node's hash and equality without
+    # the `id` property in between (dicts keyed by nodes are read ~50 times per entry).
+    if hasattr(time, "CLOCK_MONOTONIC_RAW"):  # what pysyncobj's monotonic.py reads then
+        for module in (pysyncobj_syncobj, pysyncobj_tcp_connection, pysyncobj_transport):
+            module.monotonicTime = _MONOTONIC_RAW
+    pysyncobj_node.Node.__hash__ = _node_hash
+    pysyncobj_node.Node.__eq__ = _node_eq
+
+
+_MONOTONIC_RAW: Final = functools.partial(
+    time.clock_gettime, getattr(time, "CLOCK_MONOTONIC_RAW", time.CLOCK_MONOTONIC)
+)
+
+
+def _node_hash(self: Any) -> int:
+    return hash(self._id)
+
+
+def _node_eq(self: Any, other: object) -> bool:
+    return isinstance(other, pysyncobj_node.Node) and self._id == other._id
 
 
 def _outbox(connection: Any) -> Outbox:
@@ -611,6 +642,14 @@ def _incoming_connection(self: Any, connection: Any) -> None:
 
 
 def _transport_tick(self: Any) -> None:
+    # Connection upkeep (bind, reconnect, stale handshakes) on at most one tick per
+    # RAFT_TRANSPORT_TICK_S: the tick thread runs several ticks per entry, and pysyncobj's
+    # walk over every node found nothing to do on all but a few (a reconnect waits
+    # connectionRetryTime anyway).
+    now = _MONOTONIC_RAW()
+    if self._ready and now < getattr(self, "_hastream_upkeep_at", 0.0):
+        return
+    self._hastream_upkeep_at = now + limits.RAFT_TRANSPORT_TICK_S
     _rebind_if_closed(self)
     _original_transport_tick(self)
     if self._unknownConnections:

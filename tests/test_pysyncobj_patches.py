@@ -15,8 +15,9 @@ import pysyncobj.tcp_server as pysyncobj_tcp_server
 import pysyncobj.transport as pysyncobj_transport
 import pytest
 from pysyncobj import SyncObj, SyncObjConf
+from pysyncobj.node import TCPNode
 
-from raftstore import pysyncobj_patches
+from raftstore import limits, pysyncobj_patches
 from raftstore.pysyncobj_patches import PysyncobjJournal, UnsupportedPysyncobj
 from raftstore.storage.journal import DurableJournal
 
@@ -139,3 +140,50 @@ def test_a_raft_listener_closed_by_a_failed_accept_is_bound_again(tmp_path: Path
         assert transport.ready
     finally:
         member.destroy()
+
+
+def test_the_clock_is_the_one_pysyncobj_reads_without_a_python_frame() -> None:
+    pysyncobj_patches.install()
+    for module in (pysyncobj_syncobj, pysyncobj_tcp_connection, pysyncobj_transport):
+        clock = module.monotonicTime
+        assert clock is pysyncobj_patches._MONOTONIC_RAW, module
+        before = time.clock_gettime(time.CLOCK_MONOTONIC_RAW)
+        assert before <= clock() <= time.clock_gettime(time.CLOCK_MONOTONIC_RAW)
+
+
+def test_nodes_hash_and_compare_by_id() -> None:
+    pysyncobj_patches.install()
+    first, same = TCPNode("127.0.0.1:5000"), TCPNode("127.0.0.1:5000")
+    other = TCPNode("127.0.0.1:5001")
+    assert first == same
+    assert hash(first) == hash(same) == hash("127.0.0.1:5000")
+    assert first != other
+    assert first != "127.0.0.1:5000"  # not a Node
+    assert {first: 1}[same] == 1
+    assert same in {first, other}
+    assert len({first, same, other}) == 2
+
+
+def test_the_connection_upkeep_runs_once_per_interval_while_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    upkeep: list[str] = []
+    monkeypatch.setattr(
+        pysyncobj_patches, "_original_transport_tick", lambda t: upkeep.append(t.name)
+    )
+    monkeypatch.setattr(pysyncobj_patches, "_rebind_if_closed", lambda t: None)
+    now = [100.0]
+    monkeypatch.setattr(pysyncobj_patches, "_MONOTONIC_RAW", lambda: now[0])
+
+    class Transport:
+        def __init__(self, name: str, ready: bool) -> None:
+            self.name, self._ready, self._unknownConnections = name, ready, {}
+
+    ready, binding = Transport("ready", True), Transport("binding", False)
+    for _ in range(3):
+        pysyncobj_patches._transport_tick(ready)
+        pysyncobj_patches._transport_tick(binding)  # not ready: every tick tries to bind
+    assert upkeep == ["ready", "binding", "binding", "binding"]
+    now[0] += limits.RAFT_TRANSPORT_TICK_S
+    pysyncobj_patches._transport_tick(ready)
+    assert upkeep == ["ready", "binding", "binding", "binding", "ready"]
