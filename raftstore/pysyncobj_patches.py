@@ -46,7 +46,7 @@ import socket
 import struct
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -101,9 +101,11 @@ SYNCOBJ_ATTRIBUTES: Final = (
     "_SyncObj__conf",
     "_SyncObj__connectedNodes",
     "_SyncObj__lastSerializedEntry",
+    "_SyncObj__leaderCommitIndex",
     "_SyncObj__newAppendEntriesTime",
     "_SyncObj__noopIDx",
     "_SyncObj__otherNodes",
+    "_SyncObj__pipeNotifier",
     "_SyncObj__raftCommitIndex",
     "_SyncObj__raftElectionDeadline",
     "_SyncObj__raftLastApplied",
@@ -346,9 +348,14 @@ class PysyncobjJournal:
 
     def __init__(self, durable: DurableJournal) -> None:
         self.durable = durable
+        # Set by the leader while it adds and sends new entries (replication.py): called
+        # after each add, it starts the journal's fdatasync before the entry is sent.
+        self.after_add: Callable[[], None] | None = None
 
     def add(self, command: bytes, idx: int, term: int) -> None:
         self.durable.append(command, idx, term)
+        if self.after_add is not None:
+            self.after_add()
 
     def clear(self) -> None:
         self.durable.truncate_from(0)

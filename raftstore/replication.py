@@ -9,9 +9,13 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
    fdatasync (`sync`) that runs
    - on a follower, before it answers append_entries with success (wrapping
      `__sendNextNodeIdx`), and
-   - on the leader, at the start of every tick (wrapping `_onTick`), before the commit index
-     is computed. The leader appends proposals later in the tick, so every entry it counts
-     for itself is already on disk.
+   - on the leader, on the journal's helper thread (`DurableJournal.sync_ahead`), started
+     as soon as it adds an entry: its tick thread sends the entry and takes the followers'
+     acknowledgements meanwhile, and the commit counts the leader only up to the index its
+     fdatasyncs have covered (`commit_reach`; pysyncobj's own computation counts it always,
+     and is cut back before anything is applied or sent, in `__applyLogEntries`). Two
+     followers' acknowledgements commit an entry whose fdatasync on the leader is still
+     running (Raft allows the leader's write in parallel: Ongaro's thesis, 10.2.1).
    So an entry is committed only once it is fsynced on a majority. Term and vote are written
    with fsync before they are used. The journal holds only its newest commands in memory
    (`__getEntries` is replaced so that a send reads back only what it sends).
@@ -61,10 +65,11 @@ transfer.py's, over the member's view `RaftReplica` gives it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -151,6 +156,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._pre_vote = PreVoteRound()
         self._leader_heard_at: float | None = None  # last append_entries of a current term
         self._slow_tick_log = OncePerInterval(10.0)
+        self._commit_before_tick = 0  # the commit index before pysyncobj's computation
         super().__init__(*args, **kwargs)
         # The tick's poll waits up to autoTickPeriod; a leader's heartbeat brought forward
         # (the commit notice below) must not wait behind it.
@@ -171,7 +177,13 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         return planned
 
     def _sync_and_acknowledge(self) -> None:
-        """fdatasync the journal once, then send every acknowledgement it made true."""
+        """A follower: fdatasync the journal once, then send every acknowledgement it made
+        true. The leader: have its fdatasync run without waiting for it (`commit_reach`)."""
+        if self._SyncObj__raftState == _STATE_LEADER and not self._deferred_acks:
+            took = self._journal.sync_ahead(self._wake_tick)
+            if took is not None:
+                self._replica.fsync_latency.observe(took)
+            return
         if self._journal.dirty:
             started = time.monotonic()
             self._journal.sync()
@@ -187,11 +199,28 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         adapter: pysyncobj_patches.PysyncobjJournal = self._SyncObj__raftLog
         return adapter.durable
 
+    def _wake_tick(self) -> None:
+        """Wake the tick thread from its poll (the journal's helper thread, when the
+        leader's fdatasync returned: the commit may count it now)."""
+        self._SyncObj__pipeNotifier.notify()
+
+    def _sync_after_add(self) -> None:
+        # A failed fdatasync surfaces from the tick's own sync right after pysyncobj's loop
+        # (the journal refuses every call from then on); raised here, it would cut that loop
+        # between an entry's add and its proposer's callback.
+        with contextlib.suppress(OSError):
+            self._sync_and_acknowledge()
+
     def _checkCommandsToApply(self) -> None:
-        super()._checkCommandsToApply()
-        # New entries were appended and already sent to the followers: fsync them here, in
-        # parallel with the followers' own fsync, rather than at the next tick (the commit
-        # computation there then finds nothing left to sync).
+        # The leader adds each new entry and sends it at once (appendEntriesUseBatch=False):
+        # its fdatasync starts right after the add, before the sends.
+        adapter: pysyncobj_patches.PysyncobjJournal = self._SyncObj__raftLog
+        if self._SyncObj__raftState == _STATE_LEADER:
+            adapter.after_add = self._sync_after_add
+        try:
+            super()._checkCommandsToApply()
+        finally:
+            adapter.after_add = None
         self._sync_and_acknowledge()
 
     def _onTick(self, timeToWait: float = 0.0) -> None:
@@ -205,6 +234,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                 self._doubt_since = None
             self._pre_vote_gate()
             started = time.monotonic()
+            self._commit_before_tick = self._SyncObj__raftCommitIndex
             super()._onTick(timeToWait)
             self._note_slow_tick(time.monotonic() - started - timeToWait)
         except OSError as error:
@@ -351,6 +381,35 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             return []
         return journal.entries(fromIDx - journal.index_at(0), count, maxSizeBytes)
 
+    def _count_self_only_when_durable(self) -> None:
+        """Cut the commit index pysyncobj's tick just computed (it counts the leader for
+        every entry it holds) back to what is durable on a majority, the leader counted
+        only up to its journal's `durable_index`. Runs before anything is applied or sent
+        with it; the index never goes below where this tick found it."""
+        proposed = int(self._SyncObj__raftCommitIndex)
+        before = self._commit_before_tick
+        if proposed <= before:
+            return
+        match_index = self._SyncObj__raftMatchIndex
+        reach = commit_reach(
+            self._journal.durable_index,
+            [match_index.get(node, 0) for node in self._SyncObj__otherNodes],
+        )
+        allowed = min(proposed, reach)
+        if allowed > before:
+            # Only an entry of the current term is committed by counting (Raft 5.4.2); the
+            # leader's entries of its term are the end of its log, so if this one is older,
+            # so is every entry before it.
+            entries = self._SyncObj__getEntries(allowed, 1)
+            if not entries or entries[0][2] != self.raftCurrentTerm:
+                allowed = before
+        else:
+            allowed = before
+        if allowed != proposed:
+            setattr(self, "_SyncObj__raftCommitIndex", allowed)  # noqa: B010 (mypy: pysyncobj's)
+            setattr(self, "_SyncObj__leaderCommitIndex", allowed)  # noqa: B010
+            self._SyncObj__raftLog.setRaftCommitIndex(allowed)
+
     def _SyncObj__applyLogEntries(self) -> bool:
         # pysyncobj's loop (syncobj.py __applyLogEntries), except that
         # - an entry the applier answers STALLED is left unapplied: the loop stops,
@@ -360,6 +419,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         #   heartbeats, and a new leader (or a restarted follower) with a long backlog that
         #   applied it in one go went silent for seconds on a loaded machine, and lost its
         #   leadership to an election before it could serve.
+        if self._SyncObj__raftState == _STATE_LEADER:
+            self._count_self_only_when_durable()
         last_applied = self._SyncObj__raftLastApplied
         if self._SyncObj__raftCommitIndex > last_applied:
             count = min(self._SyncObj__raftCommitIndex - last_applied, limits.APPLY_ENTRIES_MAX)
@@ -401,6 +462,13 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                 if self._next_send_at() > due:
                     self._SyncObj__newAppendEntriesTime = due
         return False
+
+
+def commit_reach(durable_index: int, match_indexes: Sequence[int]) -> int:
+    """The highest index held durably by a majority of the members: the leader up to its
+    `durable_index`, each follower up to its acknowledged (fdatasynced) match index."""
+    held = sorted([durable_index, *match_indexes], reverse=True)
+    return held[len(held) // 2]
 
 
 def _send_next_node_idx(self: _SyncObj, *args: Any, **kwargs: Any) -> None:

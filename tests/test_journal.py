@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -544,3 +545,151 @@ def test_what_fdatasync_made_durable_is_dropped_from_the_page_cache_behind_the_w
     written = 13 * 300_000
     assert ranges[-1][0] + ranges[-1][1] > written - limits.JOURNAL_DROP_BEHIND_BYTES
     assert entries(tmp_path) == expected  # read back from the disk
+
+
+# --- the leader's fdatasync on the helper thread (sync_ahead) ------------------------------
+
+
+class _GatedSyncs(RealFiles):
+    """The real file system whose fdatasync waits for a permit (`allow`), so a test sees
+    the journal while one runs."""
+
+    def __init__(self) -> None:
+        self.permits = threading.Semaphore(0)
+        self.started = 0
+
+    def fdatasync(self, fd: int, /) -> None:
+        self.started += 1
+        assert self.permits.acquire(timeout=30), "the test never allowed the fdatasync"
+        os.fdatasync(fd)
+
+    def allow(self) -> None:
+        self.permits.release()
+
+
+def _woken() -> tuple[threading.Event, Callable[[], None]]:
+    woken = threading.Event()
+    return woken, woken.set
+
+
+def test_sync_ahead_returns_at_once_and_counts_the_entries_once_the_fdatasync_returned(
+    tmp_path: Path,
+) -> None:
+    files = _GatedSyncs()
+    journal = DurableJournal(tmp_path, files=files)
+    for idx in (1, 2, 3):
+        journal.append(b"entry", idx, 1)
+    woken, wake = _woken()
+    assert journal.sync_ahead(wake) is None  # returned while the fdatasync waits
+    assert files.started <= 1
+    assert journal.durable_index == 0
+    assert journal.dirty
+    files.allow()
+    assert woken.wait(timeout=30)
+    assert journal.durable_index == 3
+    took = journal.sync_ahead(wake)  # takes what it made durable; nothing left to sync
+    assert took is not None
+    assert took >= 0
+    assert not journal.dirty
+    assert files.started == 1
+    journal.close()
+    assert list(DurableJournal(tmp_path)[:]) == [(b"entry", idx, 1) for idx in (1, 2, 3)]
+
+
+def test_entries_written_while_the_fdatasync_runs_wait_for_the_next_one(tmp_path: Path) -> None:
+    files = _GatedSyncs()
+    journal = DurableJournal(tmp_path, files=files)
+    journal.append(b"one", 1, 1)
+    woken, wake = _woken()
+    journal.sync_ahead(wake)
+    journal.append(b"two", 2, 1)  # written beside the running fdatasync
+    assert journal.sync_ahead(wake) is None  # one at a time: nothing new starts
+    files.allow()
+    assert woken.wait(timeout=30)
+    assert journal.durable_index == 1  # it covered what was written when it started
+    woken.clear()
+    journal.sync_ahead(wake)  # takes the first, starts the next for entry 2
+    assert journal.dirty
+    files.allow()
+    assert woken.wait(timeout=30)
+    assert journal.durable_index == 2
+    journal.sync()  # settles it: nothing left
+    assert not journal.dirty
+    assert files.started == 2
+    journal.close()
+
+
+def test_sync_waits_for_the_fdatasync_sync_ahead_started(tmp_path: Path) -> None:
+    files = _GatedSyncs()
+    journal = DurableJournal(tmp_path, files=files)
+    journal.append(b"one", 1, 1)
+    journal.sync_ahead()
+    journal.append(b"two", 2, 1)
+    files.allow()
+    files.allow()  # sync: the first one's end, then one more for entry 2
+    journal.sync()
+    assert journal.durable_index == 2
+    assert not journal.dirty
+    journal.close()
+
+
+def test_a_truncation_takes_the_running_fdatasync_first_and_lowers_the_durable_index(
+    tmp_path: Path,
+) -> None:
+    files = _GatedSyncs()
+    journal = DurableJournal(tmp_path, files=files)
+    for idx in (1, 2, 3):
+        journal.append(b"entry", idx, 1)
+    woken, wake = _woken()
+    journal.sync_ahead(wake)
+    files.allow()
+    assert woken.wait(timeout=30)
+    journal.truncate_from(1)
+    assert journal.durable_index == 1
+    assert [idx for _, idx, _ in journal[:]] == [1]
+    files.allow()
+    journal.close()
+    assert [idx for _, idx, _ in DurableJournal(tmp_path)[:]] == [1]
+
+
+def test_a_failed_fdatasync_on_the_helper_thread_fails_the_journal_as_sync_does() -> None:
+    sim = SimFiles()
+    journal = _sim_journal(sim)
+    journal.append(b"six", 6, 1)
+    sim.fail(Fault(errno.EIO, op="fdatasync"))
+    woken, wake = _woken()
+    journal.sync_ahead(wake)
+    assert woken.wait(timeout=30)
+    assert journal.durable_index == 5  # the failed one counts nothing
+    with pytest.raises(OSError, match=os.strerror(errno.EIO)):
+        journal.sync_ahead(wake)
+    with pytest.raises(CorruptionError, match="fdatasync failed"):
+        journal.sync_ahead(wake)
+    with pytest.raises(CorruptionError):
+        journal.append(b"seven", 7, 1)
+    reopened = DurableJournal(SIM_DIR, files=sim)
+    assert [idx for _, idx, _ in reopened[:]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_what_sync_ahead_made_durable_survives_a_power_loss() -> None:
+    sim = SimFiles()
+    journal = _sim_journal(sim)
+    journal.append(b"six", 6, 1)
+    woken, wake = _woken()
+    journal.sync_ahead(wake)
+    assert woken.wait(timeout=30)
+    assert journal.durable_index == 6
+    sim.crash()
+    assert [idx for _, idx, _ in DurableJournal(SIM_DIR, files=sim)[:]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_close_ends_the_helper_thread(tmp_path: Path) -> None:
+    journal = DurableJournal(tmp_path)
+    journal.append(b"one", 1, 1)
+    journal.sync_ahead()
+    helper = journal._ahead_thread
+    assert helper is not None
+    assert helper.name == "journal-sync"
+    assert helper.is_alive()
+    journal.close()
+    assert not helper.is_alive()

@@ -42,7 +42,10 @@ def test_every_private_attribute_the_adapter_touches_exists_on_a_live_syncobj(
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    conf = SyncObjConf(autoTick=False, journalFile=str(tmp_path / "journal"))
+    # As replication.py configures it (the pipe notifier exists only without batching).
+    conf = SyncObjConf(
+        autoTick=False, journalFile=str(tmp_path / "journal"), appendEntriesUseBatch=False
+    )
     member = SyncObj(f"127.0.0.1:{port}", [], conf=conf)
     try:
         for name in pysyncobj_patches.SYNCOBJ_ATTRIBUTES:

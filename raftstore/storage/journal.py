@@ -64,8 +64,11 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import struct
+import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -156,8 +159,28 @@ class _Segment:
     dropped: int = 0  # the page cache was told to forget [0, dropped) (_drop_behind)
 
 
+@dataclass(eq=False)
+class _SyncAhead:
+    """An fdatasync of the newest segment running on the journal's helper thread
+    (`DurableJournal.sync_ahead`)."""
+
+    segment: _Segment
+    count: int  # the entries written when it started: it covers the first `count`
+    end: int  # the segment's end then
+    started: float
+    done: threading.Lock  # held until the fdatasync returned
+    wake: Callable[[], None] | None  # called once it returned
+    finished_at: float = 0.0
+    error: OSError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return not self.done.locked()
+
+
 class DurableJournal:
-    """The Raft log of one group on one node. Runs on pysyncobj's tick thread only.
+    """The Raft log of one group on one node. Runs on pysyncobj's tick thread only (but
+    for the fdatasync `sync_ahead` hands to its own helper thread).
 
     Environment errors (a full disk, EIO) fail cleanly: a write method that raises OSError
     leaves the files and the entries in memory as they were before the call (a partial
@@ -203,6 +226,11 @@ class DurableJournal:
         self._meta: dict[str, Any] = self._load_meta()
         self._meta_dirty = False
         self.syncs = 0  # fdatasync calls, for stats
+        # The index of the last entry an fdatasync covered (every entry at open is synced).
+        self._synced_index = 0
+        self._ahead: _SyncAhead | None = None
+        self._ahead_requests: queue.SimpleQueue[_SyncAhead | None] | None = None
+        self._ahead_thread: threading.Thread | None = None
         try:
             self._open_and_recover()
         except BaseException:
@@ -280,6 +308,7 @@ class DurableJournal:
         for segment in self._segments:
             self._files.fsync(segment.fd)
         self._files.fsync_dir(self._directory)
+        self._synced_index = self._indexes[-1] if self._indexes else 0
 
     def _new_segment(self) -> None:
         """Start segment `_next_seq` (header written and durable with its name) as the one
@@ -446,11 +475,13 @@ class DurableJournal:
     def _roll(self) -> None:
         """Records go to a new segment from now on. The full one is made durable first, so
         that only the newest segment can ever end in a torn write."""
+        self._settle_ahead()
         self._sync_newest()
         self._new_segment()
 
     def truncate_from(self, count: int) -> None:
         """Keep only the first `count` entries (a leader overwrote the rest)."""
+        self._settle_ahead()
         if count < len(self._indexes):
             self._truncate_to(count)
 
@@ -618,6 +649,7 @@ class DurableJournal:
             self.sync()
             self._store_meta_if_dirty()
         finally:
+            self._stop_ahead()
             for segment in self._segments:
                 self._files.close(segment.fd)
             self._segments = []
@@ -658,11 +690,105 @@ class DurableJournal:
     # --- durability ------------------------------------------------------------------
 
     def sync(self) -> None:
-        """Make every entry added so far durable (one fdatasync). Raises OSError the first
-        time fdatasync fails, CorruptionError from then on (see the class docstring)."""
+        """Make every entry added so far durable (one fdatasync, after waiting for the one
+        `sync_ahead` started, if any). Raises OSError the first time fdatasync fails,
+        CorruptionError from then on (see the class docstring)."""
         self._check_writable()
+        self._settle_ahead()
         if self._dirty:
             self._sync_newest()
+
+    def sync_ahead(self, wake: Callable[[], None] | None = None) -> float | None:
+        """Make what is written durable without waiting: start an fdatasync on the
+        journal's helper thread, which calls `wake()` once it returned, and return at once.
+        At most one runs: while it does, this does nothing; once it has returned, this
+        takes what it made durable (`durable_index`) and starts the next one if entries
+        were written since. Returns the seconds of an fdatasync it took (for the latency
+        metric), else None. Raises like `sync` for an fdatasync that failed.
+
+        The leader calls this instead of `sync`: its tick thread sends the new entries and
+        takes the followers' acknowledgements while its own fdatasync runs, and its commit
+        counts it only up to `durable_index` (replication.py). A follower syncs before it
+        acknowledges, as before."""
+        self._check_writable()
+        took: float | None = None
+        ahead = self._ahead
+        if ahead is not None:
+            if not ahead.finished:
+                return None
+            took = ahead.finished_at - ahead.started
+            self._settle_ahead()
+        if not self._dirty:
+            return took
+        if self._ahead_requests is None:
+            self._ahead_requests = queue.SimpleQueue()
+            self._ahead_thread = threading.Thread(
+                target=self._ahead_loop,
+                args=(self._ahead_requests,),
+                name="journal-sync",
+                daemon=True,
+            )
+            self._ahead_thread.start()
+        segment = self._segments[-1]
+        done = threading.Lock()
+        done.acquire()
+        self._ahead = _SyncAhead(
+            segment, len(self._indexes), segment.end, trace.clock(), done, wake
+        )
+        self._ahead_requests.put(self._ahead)
+        return took
+
+    @property
+    def durable_index(self) -> int:
+        """The index of the last entry an fdatasync has covered, counting one `sync_ahead`
+        started that has returned without an error but is not taken yet."""
+        ahead = self._ahead
+        if ahead is not None and ahead.count and ahead.finished and ahead.error is None:
+            return max(self._synced_index, self._indexes[ahead.count - 1])
+        return self._synced_index
+
+    def _ahead_loop(self, requests: queue.SimpleQueue[_SyncAhead | None]) -> None:
+        """The helper thread: one fdatasync per request, until None."""
+        while (ahead := requests.get()) is not None:
+            try:
+                self._files.fdatasync(ahead.segment.fd)
+            except OSError as error:
+                ahead.error = error
+            ahead.finished_at = trace.clock()
+            ahead.done.release()
+            if ahead.wake is not None:
+                with contextlib.suppress(OSError):  # a full wake-up pipe is awake already
+                    ahead.wake()
+
+    def _settle_ahead(self) -> None:
+        """Wait for the fdatasync `sync_ahead` started, if any, and take what it made
+        durable. Every call that changes the files (a truncation, a new segment, a drop, the
+        close) comes here first: none runs beside it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        ahead.done.acquire()
+        if ahead.error is not None:
+            self._sync_failed(ahead.segment, ahead.error)
+        # The entries it started with are all still here: anything that removes entries or
+        # changes segments settles first.
+        assert ahead.count <= len(self._indexes)
+        assert ahead.segment is self._segments[-1]
+        self._synced(ahead.count, ahead.started, ahead.finished_at)
+        if ahead.segment.end == ahead.end:  # nothing written since it started
+            self._dirty = False
+            self._drop_behind(ahead.segment)
+
+    def _stop_ahead(self) -> None:
+        """End the helper thread (close): the fdatasync it may run is waited for."""
+        if self._ahead_requests is None:
+            return
+        with contextlib.suppress(OSError, CorruptionError):
+            self._settle_ahead()
+        self._ahead_requests.put(None)
+        if self._ahead_thread is not None:
+            self._ahead_thread.join(timeout=5)
+        self._ahead_requests = self._ahead_thread = None
 
     def _sync_newest(self) -> None:
         """fdatasync the segment records go to (every other one was synced when it was
@@ -672,20 +798,32 @@ class DurableJournal:
         try:
             self._files.fdatasync(segment.fd)
         except OSError as error:
-            self._failed = CorruptionError(
-                str(segment.path),
-                segment.end,
-                f"fdatasync failed ({error}): what it covered may not be on disk",
-            )
-            raise
+            self._sync_failed(segment, error)
         self._dirty = False
-        self.syncs += 1
+        self._synced(len(self._indexes), started, trace.clock())
         self._drop_behind(segment)
+
+    def _sync_failed(self, segment: _Segment, error: OSError) -> None:
+        """An fdatasync failed: refuse every later write (see the class docstring)."""
+        self._failed = CorruptionError(
+            str(segment.path),
+            segment.end,
+            f"fdatasync failed ({error}): what it covered may not be on disk",
+        )
+        raise error
+
+    def _synced(self, count: int, started: float, finished: float) -> None:
+        """Bookkeeping after an fdatasync that covered the first `count` entries."""
+        self.syncs += 1
+        if not count:
+            return
+        last = self._indexes[count - 1]
+        self._synced_index = max(self._synced_index, last)
         tracer = trace.current()
-        if tracer.on and self._indexes:
-            tracer.journal_synced(self._indexes[-1], started, trace.clock())
-        if self._indexes and self._meta.get("synced_last_index") != self._indexes[-1]:
-            self._meta["synced_last_index"] = self._indexes[-1]
+        if tracer.on:
+            tracer.journal_synced(last, started, finished)
+        if self._meta.get("synced_last_index") != last:
+            self._meta["synced_last_index"] = last
             self._meta_dirty = True  # stored with the commit index (onOneSecondTimer)
 
     def _drop_behind(self, segment: _Segment) -> None:
@@ -796,6 +934,7 @@ class DurableJournal:
         del self._terms[count:]
         del self._seqs[count:]
         del self._positions[count:]
+        self._synced_index = min(self._synced_index, self._indexes[-1] if self._indexes else 0)
         self._dirty = True
 
     def _store_meta_if_dirty(self) -> None:
