@@ -670,7 +670,8 @@ def markdown(summaries: list[ShapeSummary], results: list[CellResult], meta: dic
             f"- date: {meta['date']}",
             f"- command: `{meta['command']}`",
             f"- seed: {meta['seed']} (cell order of every rep: `random.Random(seed)`)",
-            f"- load average (1, 5, 15 min): start {load_start}; end {load_end}",
+            f"- load average (1, 5, 15 min): start {load_start}; end {load_end}"
+            + (f"; CPU time stolen by the host: {meta['steal']:.0%}" if "steal" in meta else ""),
             f"- reps: {meta['reps']}, {meta['seconds']} s per cell, "
             f"window of the async shapes: {meta['window']} in flight per publisher",
             f"- NATS: {meta['nats_server']}, `jetstream {{ sync_interval: always }}`, R3 file "
@@ -783,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_start": list(os.getloadavg()),
     }
     print(f"# {command}\n# seed {seed}; {meta['nats_server']}", flush=True)
+    cpu_times = common.CpuTimes.now()
     pool = RowPool.make()
     started = time.monotonic()
     with (
@@ -799,6 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             hastream.close()
     meta["loadavg_end"] = list(os.getloadavg())
+    meta["steal"] = round(common.CpuTimes.now().steal_share_since(cpu_times), 3)
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
     summaries = summarize(results, shapes)
     text = write_outputs(summaries, results, meta, args.markdown, args.json)
