@@ -834,14 +834,7 @@ class Applier:
 
     def has_table(self, table: str) -> bool:
         with self._lock:
-            return table in self._stores or self._machine_has(table)
-
-    def _machine_has(self, table: str) -> bool:
-        try:
-            self._machine.table(table)
-        except TableNotFound:
-            return False
-        return True
+            return table in self._stores or self._machine.has_table(table)
 
     def table_names(self) -> list[str]:
         with self._lock:

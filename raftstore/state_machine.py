@@ -486,6 +486,11 @@ class GroupStateMachine:
             raise TableNotFound(name)
         return state
 
+    def has_table(self, name: str) -> bool:
+        """Without building a TableNotFound: routing asks every group of the node on every
+        request, and all but one answer no."""
+        return name in self._tables
+
     def table(self, name: str) -> TableView:
         """Raises TableNotFound."""
         state = self._state(name)

@@ -1255,3 +1255,13 @@ def test_core_module_imports_no_io(module: str) -> None:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             imported.add(node.module.split(".")[0])
     assert not imported & FORBIDDEN
+
+
+@pytest.mark.unit
+def test_has_table_answers_without_an_error_for_a_name_it_does_not_hold() -> None:
+    machine = GroupStateMachine(2)
+    assert not machine.has_table("t")
+    machine.apply(1, _create("t"))
+    assert machine.has_table("t")
+    machine.apply(2, DropTable("t", force=False))
+    assert not machine.has_table("t")
