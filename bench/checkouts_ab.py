@@ -17,7 +17,11 @@ context switches per append (every hand-off between threads or processes is a sl
 wake-up; on a slow machine a wake-up costs as much as the work it hands over), Raft elections
 during a cell (the HA group's term moved), and at the end the checkpoint times of each arm
 (the `checkpoint ... took_ms` lines of its nodes' logs: the data-file fsync a checkpoint
-does on the Raft thread).
+does on the Raft thread). Each round also shows the share of the machine's CPU time the
+hypervisor stole (/proc/stat; on a shared VM it went from 0% to 35% within minutes here),
+and the last line gives the median of the rounds' own B/A ratios (each pair ran back to
+back, in one minute's weather) with the range of steal the run saw: an A/B whose rounds
+saw much steal says little.
 """
 
 from __future__ import annotations
