@@ -572,13 +572,18 @@ def _woken() -> tuple[threading.Event, Callable[[], None]]:
     return woken, woken.set
 
 
+def _gated_with_three_entries(directory: Path) -> tuple[_GatedSyncs, DurableJournal]:
+    files = _GatedSyncs()
+    journal = DurableJournal(directory, files=files)
+    for idx in (1, 2, 3):
+        journal.append(b"entry", idx, 1)
+    return files, journal
+
+
 def test_sync_ahead_returns_at_once_and_counts_the_entries_once_the_fdatasync_returned(
     tmp_path: Path,
 ) -> None:
-    files = _GatedSyncs()
-    journal = DurableJournal(tmp_path, files=files)
-    for idx in (1, 2, 3):
-        journal.append(b"entry", idx, 1)
+    files, journal = _gated_with_three_entries(tmp_path)
     woken, wake = _woken()
     assert journal.sync_ahead(wake) is None  # returned while the fdatasync waits
     assert files.started <= 1
@@ -636,10 +641,7 @@ def test_sync_waits_for_the_fdatasync_sync_ahead_started(tmp_path: Path) -> None
 def test_a_truncation_takes_the_running_fdatasync_first_and_lowers_the_durable_index(
     tmp_path: Path,
 ) -> None:
-    files = _GatedSyncs()
-    journal = DurableJournal(tmp_path, files=files)
-    for idx in (1, 2, 3):
-        journal.append(b"entry", idx, 1)
+    files, journal = _gated_with_three_entries(tmp_path)
     woken, wake = _woken()
     journal.sync_ahead(wake)
     files.allow()
