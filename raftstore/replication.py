@@ -406,6 +406,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         else:
             allowed = before
         if allowed != proposed:
+            # The commit waits for this node's own fdatasync: have it wake the tick thread.
+            self._journal.want_wake()
             setattr(self, "_SyncObj__raftCommitIndex", allowed)  # noqa: B010 (mypy: pysyncobj's)
             setattr(self, "_SyncObj__leaderCommitIndex", allowed)  # noqa: B010
             self._SyncObj__raftLog.setRaftCommitIndex(allowed)

@@ -36,6 +36,10 @@ def test_commit_reach_is_the_highest_index_a_majority_holds(
 @dataclass
 class _Journal:
     durable_index: int
+    wake_wanted: bool = False
+
+    def want_wake(self) -> None:
+        self.wake_wanted = True
 
 
 @dataclass
@@ -111,6 +115,8 @@ def test_the_leader_counts_itself_only_up_to_its_durable_index(
     assert member._SyncObj__raftCommitIndex == expected
     assert member._SyncObj__leaderCommitIndex == expected
     assert member._SyncObj__raftLog.stored == ([] if expected == proposed else [expected])
+    # Cut back: the tick thread must hear when the leader's own fdatasync returns.
+    assert member._journal.wake_wanted == (expected != proposed)
 
 
 def test_two_followers_commit_what_the_leader_has_not_synced_yet() -> None:

@@ -7,6 +7,7 @@ import errno
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -586,6 +587,7 @@ def test_sync_ahead_returns_at_once_and_counts_the_entries_once_the_fdatasync_re
     files, journal = _gated_with_three_entries(tmp_path)
     woken, wake = _woken()
     assert journal.sync_ahead(wake) is None  # returned while the fdatasync waits
+    journal.want_wake()
     assert files.started <= 1
     assert journal.durable_index == 0
     assert journal.dirty
@@ -607,6 +609,7 @@ def test_entries_written_while_the_fdatasync_runs_wait_for_the_next_one(tmp_path
     journal.append(b"one", 1, 1)
     woken, wake = _woken()
     journal.sync_ahead(wake)
+    journal.want_wake()
     journal.append(b"two", 2, 1)  # written beside the running fdatasync
     assert journal.sync_ahead(wake) is None  # one at a time: nothing new starts
     files.allow()
@@ -614,6 +617,7 @@ def test_entries_written_while_the_fdatasync_runs_wait_for_the_next_one(tmp_path
     assert journal.durable_index == 1  # it covered what was written when it started
     woken.clear()
     journal.sync_ahead(wake)  # takes the first, starts the next for entry 2
+    journal.want_wake()
     assert journal.dirty
     files.allow()
     assert woken.wait(timeout=30)
@@ -644,6 +648,7 @@ def test_a_truncation_takes_the_running_fdatasync_first_and_lowers_the_durable_i
     files, journal = _gated_with_three_entries(tmp_path)
     woken, wake = _woken()
     journal.sync_ahead(wake)
+    journal.want_wake()
     files.allow()
     assert woken.wait(timeout=30)
     journal.truncate_from(1)
@@ -661,6 +666,7 @@ def test_a_failed_fdatasync_on_the_helper_thread_fails_the_journal_as_sync_does(
     sim.fail(Fault(errno.EIO, op="fdatasync"))
     woken, wake = _woken()
     journal.sync_ahead(wake)
+    journal.want_wake()
     assert woken.wait(timeout=30)
     assert journal.durable_index == 5  # the failed one counts nothing
     with pytest.raises(OSError, match=os.strerror(errno.EIO)):
@@ -679,6 +685,7 @@ def test_what_sync_ahead_made_durable_survives_a_power_loss() -> None:
     journal.append(b"six", 6, 1)
     woken, wake = _woken()
     journal.sync_ahead(wake)
+    journal.want_wake()
     assert woken.wait(timeout=30)
     assert journal.durable_index == 6
     sim.crash()
@@ -695,3 +702,18 @@ def test_close_ends_the_helper_thread(tmp_path: Path) -> None:
     assert helper.is_alive()
     journal.close()
     assert not helper.is_alive()
+
+
+def test_the_helper_wakes_the_caller_only_when_asked(tmp_path: Path) -> None:
+    files, journal = _gated_with_three_entries(tmp_path)
+    woken, wake = _woken()
+    journal.sync_ahead(wake)
+    files.allow()
+    deadline = time.monotonic() + 30
+    while journal.durable_index < 3:  # it returned: nobody asked to be woken
+        assert time.monotonic() < deadline, "the fdatasync never returned"
+        time.sleep(0.001)
+    assert not woken.is_set()
+    journal.want_wake()  # asked after it returned: woken at once, by the caller's thread
+    assert woken.is_set()
+    journal.close()

@@ -169,13 +169,20 @@ class _SyncAhead:
     end: int  # the segment's end then
     started: float
     done: threading.Lock  # held until the fdatasync returned
-    wake: Callable[[], None] | None  # called once it returned
+    wake: Callable[[], None] | None  # called once it returned, if `wake_wanted` by then
+    wake_wanted: bool = False
     finished_at: float = 0.0
     error: OSError | None = None
 
     @property
     def finished(self) -> bool:
         return not self.done.locked()
+
+
+def _call_wake(ahead: _SyncAhead) -> None:
+    if ahead.wake is not None:
+        with contextlib.suppress(OSError):  # a full wake-up pipe is awake already
+            ahead.wake()
 
 
 class DurableJournal:
@@ -700,7 +707,8 @@ class DurableJournal:
 
     def sync_ahead(self, wake: Callable[[], None] | None = None) -> float | None:
         """Make what is written durable without waiting: start an fdatasync on the
-        journal's helper thread, which calls `wake()` once it returned, and return at once.
+        journal's helper thread, which calls `wake()` once it returned if `want_wake` asked
+        for it, and return at once.
         At most one runs: while it does, this does nothing; once it has returned, this
         takes what it made durable (`durable_index`) and starts the next one if entries
         were written since. Returns the seconds of an fdatasync it took (for the latency
@@ -756,9 +764,21 @@ class DurableJournal:
                 ahead.error = error
             ahead.finished_at = trace.clock()
             ahead.done.release()
-            if ahead.wake is not None:
-                with contextlib.suppress(OSError):  # a full wake-up pipe is awake already
-                    ahead.wake()
+            if ahead.wake_wanted:  # read after the release: see want_wake
+                _call_wake(ahead)
+
+    def want_wake(self) -> None:
+        """Ask the running fdatasync (if any) to call its `wake` when it returns: the caller
+        waits for it (the leader's commit). Without this it returns silently, and the tick
+        thread, woken by the followers' acknowledgements anyway, is not woken once more per
+        entry. Set before the finish is checked, and read by the helper after it released:
+        if both see the other's step, `wake` runs twice (harmless), never zero times."""
+        ahead = self._ahead
+        if ahead is None:
+            return
+        ahead.wake_wanted = True
+        if ahead.finished:
+            _call_wake(ahead)
 
     def _settle_ahead(self) -> None:
         """Wait for the fdatasync `sync_ahead` started, if any, and take what it made
