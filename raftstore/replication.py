@@ -396,14 +396,10 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             [match_index.get(node, 0) for node in self._SyncObj__otherNodes],
         )
         allowed = min(proposed, reach)
-        if allowed > before:
-            # Only an entry of the current term is committed by counting (Raft 5.4.2); the
-            # leader's entries of its term are the end of its log, so if this one is older,
-            # so is every entry before it.
-            entries = self._SyncObj__getEntries(allowed, 1)
-            if not entries or entries[0][2] != self.raftCurrentTerm:
-                allowed = before
-        else:
+        # Only an entry of the current term is committed by counting (Raft 5.4.2); the
+        # leader's entries of its term are the end of its log, so if this one is older, so
+        # is every entry before it.
+        if allowed <= before or self._term_at(allowed) != self.raftCurrentTerm:
             allowed = before
         if allowed != proposed:
             # The commit waits for this node's own fdatasync: have it wake the tick thread.
@@ -411,6 +407,10 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             setattr(self, "_SyncObj__raftCommitIndex", allowed)  # noqa: B010 (mypy: pysyncobj's)
             setattr(self, "_SyncObj__leaderCommitIndex", allowed)  # noqa: B010
             self._SyncObj__raftLog.setRaftCommitIndex(allowed)
+
+    def _term_at(self, index: int) -> int | None:
+        entries = self._SyncObj__getEntries(index, 1)
+        return int(entries[0][2]) if entries else None
 
     def _SyncObj__applyLogEntries(self) -> bool:
         # pysyncobj's loop (syncobj.py __applyLogEntries), except that

@@ -66,6 +66,8 @@ class _Leader:
         self._SyncObj__raftLog = _Log()
         self.raftCurrentTerm = terms[-1]
 
+    _term_at = replication._SyncObj._term_at
+
     def _SyncObj__getEntries(self, index: int, count: int) -> list[tuple[bytes, int, int]]:
         assert count == 1
         return [(b"", index, self._terms[index - 1])] if 1 <= index <= len(self._terms) else []

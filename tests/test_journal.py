@@ -7,7 +7,6 @@ import errno
 import itertools
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -709,10 +708,12 @@ def test_the_helper_wakes_the_caller_only_when_asked(tmp_path: Path) -> None:
     woken, wake = _woken()
     journal.sync_ahead(wake)
     files.allow()
-    deadline = time.monotonic() + 30
-    while journal.durable_index < 3:  # it returned: nobody asked to be woken
-        assert time.monotonic() < deadline, "the fdatasync never returned"
-        time.sleep(0.001)
+    running = journal._ahead
+    assert running is not None
+    # Wait for the helper's own "returned" signal (the lock it releases after the fdatasync).
+    assert running.done.acquire(timeout=30), "the fdatasync never returned"
+    running.done.release()
+    assert journal.durable_index == 3  # it returned: nobody asked to be woken
     assert not woken.is_set()
     journal.want_wake()  # asked after it returned: woken at once, by the caller's thread
     assert woken.is_set()
