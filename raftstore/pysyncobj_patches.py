@@ -34,6 +34,7 @@ Per class, in replication.py's `_SyncObj` (listed in `SYNCOBJ_METHODS` for the g
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -52,6 +53,7 @@ from typing import Any, Final
 
 import pysyncobj.node as pysyncobj_node
 import pysyncobj.pickle as pysyncobj_pickle
+import pysyncobj.pipe_notifier as pysyncobj_pipe_notifier
 import pysyncobj.poller as pysyncobj_poller
 import pysyncobj.syncobj as pysyncobj_syncobj
 import pysyncobj.tcp_connection as pysyncobj_tcp_connection
@@ -143,6 +145,7 @@ _MODULE_NAMES: Final = (
     (pysyncobj_syncobj, "monotonicTime"),
     (pysyncobj_transport, "monotonicTime"),
     (pysyncobj_node.Node, "__hash__"),
+    (pysyncobj_pipe_notifier.PipeNotifier, "_PipeNotifier__onNewNotification"),
 )
 
 _installed = False
@@ -433,6 +436,8 @@ def install() -> None:
             module.monotonicTime = _MONOTONIC_RAW
     pysyncobj_node.Node.__hash__ = _node_hash
     pysyncobj_node.Node.__eq__ = _node_eq
+    notifier = pysyncobj_pipe_notifier.PipeNotifier
+    notifier._PipeNotifier__onNewNotification = _take_notifications
 
 
 _MONOTONIC_RAW: Final = functools.partial(
@@ -446,6 +451,22 @@ def _node_hash(self: Any) -> int:
 
 def _node_eq(self: Any, other: object) -> bool:
     return isinstance(other, pysyncobj_node.Node) and self._id == other._id
+
+
+def _take_notifications(self: Any, _descr: int, _event: int) -> None:
+    # Replaces PipeNotifier.__onNewNotification (the tick's wake-up pipe: a proposal, or the
+    # journal's helper): one read of what the pipe holds, not a second one for its EAGAIN.
+    # Wake-ups are one byte each; more than fit in one read leave the pipe readable, and
+    # the next poll returns at once. The read lets go of the GIL, and a proposing thread
+    # waits for it: one system call less per wake-up.
+    with contextlib.suppress(BlockingIOError):
+        os.read(self._PipeNotifier__pipeR, _NOTIFICATIONS_READ_BYTES)
+    callback = self._PipeNotifier__callback
+    if callback is not None:
+        callback()
+
+
+_NOTIFICATIONS_READ_BYTES: Final = 4096
 
 
 def _outbox(connection: Any) -> Outbox:
@@ -572,13 +593,15 @@ def _connection_read(self: Any) -> bool:
     # Replaces TcpConnection.__processRead, which pysyncobj calls until it returns False (the
     # socket is drained) and then parses what was read: into the link's Inbox. As before,
     # an end of stream drops what was read and not parsed (a SIGCONTed follower discards
-    # the messages its leader sent before it gave up on the link, and times out). pysyncobj
-    # trusts the 4-byte frame length: a declared length past RAFT_FRAME_BYTES_MAX, or more
-    # than two frames' worth unparsed, drops the link before those bytes are buffered.
-    sock = self._TcpConnection__socket
+    # the messages its leader sent before it gave up on the link, and times out): hence a
+    # read to EAGAIN or the end even after a short one. pysyncobj checks SO_ERROR once per
+    # poll event; its second check after every read is left out: a pending error fails the
+    # next recv. pysyncobj trusts the 4-byte frame length: a declared length past
+    # RAFT_FRAME_BYTES_MAX, or more than two frames' worth unparsed, drops the link before
+    # those bytes are buffered.
     inbox = _inbox(self)
     try:
-        count = inbox.receive(sock)
+        count = inbox.receive(self._TcpConnection__socket)
     except FrameTooLong as error:
         _log_refused_frame(error.detail)
         self.disconnect()
@@ -587,7 +610,7 @@ def _connection_read(self: Any) -> bool:
         if error.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
             self.disconnect()
         return False
-    if count == 0 or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+    if count == 0:
         self.disconnect()
         return False
     return True

@@ -4,11 +4,13 @@ and the link timeouts have their own files: test_peer_auth.py, test_peer_links.p
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import time
 from pathlib import Path
 
 import pysyncobj.pickle as pysyncobj_pickle
+import pysyncobj.poller as pysyncobj_poller
 import pysyncobj.syncobj as pysyncobj_syncobj
 import pysyncobj.tcp_connection as pysyncobj_tcp_connection
 import pysyncobj.tcp_server as pysyncobj_tcp_server
@@ -16,6 +18,7 @@ import pysyncobj.transport as pysyncobj_transport
 import pytest
 from pysyncobj import SyncObj, SyncObjConf
 from pysyncobj.node import TCPNode
+from pysyncobj.pipe_notifier import PipeNotifier
 
 from raftstore import limits, pysyncobj_patches
 from raftstore.pysyncobj_patches import PysyncobjJournal, UnsupportedPysyncobj
@@ -190,3 +193,33 @@ def test_the_connection_upkeep_runs_once_per_interval_while_ready(
     now[0] += limits.RAFT_TRANSPORT_TICK_S
     pysyncobj_patches._transport_tick(ready)
     assert upkeep == ["ready", "binding", "binding", "binding", "ready"]
+
+
+def test_the_wake_up_pipe_is_read_once_per_event_and_never_left_readable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pysyncobj_patches.install()
+    poller = pysyncobj_poller.createPoller("auto")
+    woken: list[int] = []
+    notifier = PipeNotifier(poller, callback=lambda: woken.append(1))
+    reads: list[int] = []
+    real_read = os.read
+
+    def counted_read(fd: int, size: int) -> bytes:
+        reads.append(fd)
+        return real_read(fd, size)
+
+    monkeypatch.setattr(os, "read", counted_read)  # what the patch reads the pipe with
+    try:
+        for burst in (1, 3, pysyncobj_patches._NOTIFICATIONS_READ_BYTES + 10):
+            woken.clear()
+            reads.clear()
+            for _ in range(burst):
+                notifier.notify()
+            for _ in range(3):  # a burst past one read's worth takes a second event
+                poller.poll(0)
+            events = 1 if burst <= pysyncobj_patches._NOTIFICATIONS_READ_BYTES else 2
+            assert len(woken) == len(reads) == events, burst  # no read only for EAGAIN
+    finally:
+        os.close(notifier._PipeNotifier__pipeR)
+        os.close(notifier._PipeNotifier__pipeW)
