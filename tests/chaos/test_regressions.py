@@ -15,7 +15,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -117,8 +117,16 @@ def test_full_restart_after_drop_and_re_create_keeps_the_new_rows(
     _assert_every_replica_holds(cluster, "T", keys)
 
 
-def _wait_for_checkpoint(cluster: LocalCluster, alias: str, group: int) -> None:
+def _wait_for_checkpoint(
+    cluster: LocalCluster, alias: str, group: int, *, after: Callable[[], object] | None = None
+) -> None:
+    """A checkpoint on `alias` written after this call began (and after `after()` ran).
+    pysyncobj writes none while nothing was applied since its last one, so a caller that
+    has not just appended passes an append as `after`: without it, a node that checkpointed
+    everything before the call (a slow machine settles slowly) never writes another."""
     written = cluster.group_status(alias, group)["checkpoints_written"]
+    if after is not None:
+        after()
     wait_until(
         lambda: cluster.group_status(alias, group)["checkpoints_written"] > written,
         timeout_s=30,
@@ -138,7 +146,9 @@ def test_restart_after_drop_and_re_create_since_the_last_checkpoint_keeps_the_ne
             Publisher(client, "T").append(rows(0, 500))
             follower = _follower(cluster, 2)
             _settle(cluster, {2: "barrier"})
-            _wait_for_checkpoint(cluster, follower, 2)  # T with 500 rows in its checkpoint
+            barrier = Publisher(client, "barrier")
+            # T with 500 rows in its checkpoint (a barrier row: something new to checkpoint)
+            _wait_for_checkpoint(cluster, follower, 2, after=lambda: barrier.append(rows(0, 1)))
             client.dropStreamTable("T")
             client.haStreamTable(2, SCHEMA, "T", 1000)
             Publisher(client, "T").append(rows(WRITER_SPAN, 100))
@@ -593,7 +603,7 @@ def _damage_and_restart_a_follower(
     appended: list[int] = []
     follower = _follower(cluster, 2)
     _settle(cluster, {2: "T"})
-    _wait_for_checkpoint(cluster, follower, 2)  # T in the follower's own checkpoint
+    _wait_for_checkpoint(cluster, follower, 2, after=lambda: append(1))  # T in its checkpoint
     append(5)  # in its journal, after that checkpoint
     cluster.terminate(follower)
     segments = faults.segment_files(cluster.persistence_dir(follower), 2)
