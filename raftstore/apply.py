@@ -168,6 +168,7 @@ class Applier:
         self.repairs_completed = 0
         self.checkpoints_written = 0
         self.checkpoints_durable = 0
+        self.checkpoint_lsn = 0  # the state the newest checkpoint taken here holds
         self.checkpoints_loaded = 0
         # The live table incarnations of the checkpoint being written: (lsn, live).
         self._checkpoint_live: tuple[int, set[tuple[str, int]]] | None = None
@@ -645,6 +646,7 @@ class Applier:
             snapshot = Snapshot(self._machine.lsn_applied, self._machine.snapshot())
             self._checkpoint_live = (snapshot.lsn, self._live_incarnations())
         self.checkpoints_written += 1
+        self.checkpoint_lsn = snapshot.lsn
         log.info(
             "checkpoint group=%d lsn=%d tables=%d took_ms=%.1f",
             self.group_id,
@@ -890,6 +892,7 @@ class Applier:
             "repairs_completed": self.repairs_completed,
             "checkpoints_written": self.checkpoints_written,
             "checkpoints_durable": self.checkpoints_durable,
+            "checkpoint_lsn": self.checkpoint_lsn,
             "checkpoints_loaded": self.checkpoints_loaded,
             "retention_rows_removed": self._retention.rows_removed,
             "table_stats": tables,

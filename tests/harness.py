@@ -159,16 +159,20 @@ def checkpoint_counts(cluster: LocalCluster, alias: str, group: int = 2) -> tupl
 def wait_durable_checkpoint_of_what_is_applied(
     cluster: LocalCluster, alias: str, group: int = 2
 ) -> None:
-    """Until a checkpoint taken after now is durable on `alias`. (`checkpoints_written`
-    counts a checkpoint when its state is taken, before the Raft checkpoint file is in
-    place: a kill right then restarts from the one before, and replays the log instead. At
-    most one is in flight, and each becomes durable unless a write fails.)"""
+    """Until a checkpoint of everything applied now is durable on `alias`: one taken of
+    that state or a later one (`checkpoint_lsn`; pysyncobj takes none while nothing new
+    was applied, so "a checkpoint taken after now" may never come), and every checkpoint
+    taken durable. (`checkpoints_written` counts a checkpoint when its state is taken,
+    before the Raft checkpoint file is in place: a kill right then restarts from the one
+    before, and replays the log instead. At most one is in flight, and each becomes
+    durable unless a write fails.)"""
 
-    written, _ = checkpoint_counts(cluster, alias, group)
+    applied = int(cluster.group_status(alias, group)["lsn_applied"])
 
     def done() -> bool:
-        now_written, now_durable = checkpoint_counts(cluster, alias, group)
-        return now_written > written and now_durable >= now_written
+        status = cluster.group_status(alias, group)
+        written, durable = checkpoint_counts(cluster, alias, group)
+        return int(status["checkpoint_lsn"]) >= applied and durable >= written
 
     wait_until(done, timeout_s=60, message=f"a durable checkpoint on {alias}")
 
