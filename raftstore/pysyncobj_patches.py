@@ -453,6 +453,9 @@ def _node_eq(self: Any, other: object) -> bool:
     return isinstance(other, pysyncobj_node.Node) and self._id == other._id
 
 
+_NOTIFICATIONS_READ_BYTES: Final = 4096
+
+
 def _take_notifications(self: Any, _descr: int, _event: int) -> None:
     # Replaces PipeNotifier.__onNewNotification (the tick's wake-up pipe: a proposal, or the
     # journal's helper): one read of what the pipe holds, not a second one for its EAGAIN.
@@ -464,9 +467,6 @@ def _take_notifications(self: Any, _descr: int, _event: int) -> None:
     callback = self._PipeNotifier__callback
     if callback is not None:
         callback()
-
-
-_NOTIFICATIONS_READ_BYTES: Final = 4096
 
 
 def _outbox(connection: Any) -> Outbox:
