@@ -4,16 +4,16 @@
         [--cells 1:1 4:1 1:10000 4:10000] [--columns 11] [--duration 3] [--repeat 3] [--trace]
 
 Each config is a comma-separated list of knobs ("baseline" = none): `key=value` items are
-raftstore/tuning.py's knobs (HASTREAM_TUNING: proposals_in_flight, switch_interval_ms), and
-`malloc-keep` sets glibc's malloc environment for the node processes. The nodes are the
-unmodified product: a candidate that is not a knob is measured by writing it (on a branch)
-and comparing checkouts (bench/append_path.py), not by patching private names here. For
-every repeat, every config gets a fresh three-node cluster, then the HA cells
-(threads:batch) run exactly as in bench.throughput. The configs' order rotates from repeat
-to repeat so drifting background load does not favour one. Reported: median rows/s and the
-speed-up over the first config, and node CPU per 10,000 rows (summed over the three node
-processes) - the cost of a row, which is less sensitive than rows/s to what else runs on the
-machine. `--trace` has every node record where an entry's time goes (raftstore/trace.py).
+raftstore/tuning.py's knobs (HASTREAM_TUNING: proposals_in_flight, switch_interval_ms,
+yield_after_ack), and `malloc-keep` sets glibc's malloc environment for the node processes.
+The nodes are the unmodified product: a candidate that is not a knob is measured by writing
+it (on a branch) and comparing checkouts (bench/append_path.py), not by patching private
+names here. For every repeat, every config gets a fresh three-node cluster, then the HA
+cells (threads:batch) run exactly as in bench.throughput. The configs' order rotates from
+repeat to repeat so drifting background load does not favour one. Reported: median rows/s
+and the speed-up over the first config, and node CPU per 10,000 rows (summed over the three
+node processes) - the cost of a row, which is less sensitive than rows/s to what else runs
+on the machine. `--trace` has every node record where an entry's time goes (raftstore/trace.py).
 """
 
 from __future__ import annotations

@@ -266,6 +266,7 @@ class Node:
             secret=self.cluster.raft_secret,
             election_timeout_s=self.cluster.election_timeout_s,
             checkpoint_interval_s=self.cluster.purge_interval_s,
+            yield_after_ack=self._tuning.yield_after_ack,
         )
         role = RoleSignal()
         applier = self._build_applier(group_id, settings.data_dir, peers)

@@ -4,6 +4,7 @@ A benchmark tries a candidate change on an unmodified node by setting the enviro
 variable HASTREAM_TUNING before the node starts, e.g.
 
     HASTREAM_TUNING=proposals_in_flight=1,switch_interval_ms=0.5,trace_file=/tmp/<ALIAS>.json
+    HASTREAM_TUNING=yield_after_ack=off
 
 Operators have no reason to set it: every default is the product's choice. A knob may only
 lower a bound the node was sized for (fewer entries in flight, never more), so no setting
@@ -23,6 +24,7 @@ from raftstore import limits
 
 ENVIRONMENT_VARIABLE: Final = "HASTREAM_TUNING"
 _SWITCH_INTERVAL_MS_RANGE: Final = (0.05, 100.0)
+_SWITCHES: Final = {"on": True, "off": False}
 _Number = TypeVar("_Number", int, float)
 
 
@@ -37,6 +39,9 @@ class Tuning:
     # Where the write path's per-stage timings (trace.py) are written at exit; None records
     # nothing. `<ALIAS>` is replaced by the node's alias.
     trace_file: Path | None = None
+    # A follower gives up its CPU (sched_yield) right after sending its acknowledgements,
+    # before it applies (replication.py). "off" measures the product without it.
+    yield_after_ack: bool = True
 
 
 DEFAULT: Final = Tuning()
@@ -76,8 +81,14 @@ def parse(text: str, alias: str) -> Tuning:
     trace_file = None
     if values.get("trace_file"):
         trace_file = Path(values["trace_file"].replace("<ALIAS>", alias))
+    yield_after_ack = DEFAULT.yield_after_ack
+    if "yield_after_ack" in values:
+        yield_after_ack = _switch("yield_after_ack", values["yield_after_ack"])
     return Tuning(
-        proposals_in_flight=in_flight, switch_interval_ms=switch_ms, trace_file=trace_file
+        proposals_in_flight=in_flight,
+        switch_interval_ms=switch_ms,
+        trace_file=trace_file,
+        yield_after_ack=yield_after_ack,
     )
 
 
@@ -90,6 +101,8 @@ def render(tuning: Tuning) -> str:
         parts.append(f"switch_interval_ms={tuning.switch_interval_ms:g}")
     if tuning.trace_file is not None:
         parts.append(f"trace_file={tuning.trace_file}")
+    if tuning.yield_after_ack != DEFAULT.yield_after_ack:
+        parts.append(f"yield_after_ack={'on' if tuning.yield_after_ack else 'off'}")
     return ",".join(parts)
 
 
@@ -98,6 +111,12 @@ def _number(key: str, value: str, kind: type[_Number]) -> _Number:
         return kind(value)
     except ValueError:
         _refuse(key, value, f"not {'an integer' if kind is int else 'a number'}")
+
+
+def _switch(key: str, value: str) -> bool:
+    if value not in _SWITCHES:
+        _refuse(key, value, "must be on or off")
+    return _SWITCHES[value]
 
 
 def _refuse(key: str, value: str, reason: str) -> NoReturn:

@@ -17,13 +17,21 @@ def test_unset_is_the_products_defaults() -> None:
     assert tuning.DEFAULT.proposals_in_flight == limits.PROPOSALS_IN_FLIGHT_MAX
     assert tuning.DEFAULT.switch_interval_ms is None
     assert tuning.DEFAULT.trace_file is None
+    assert tuning.DEFAULT.yield_after_ack is True
 
 
 def test_every_knob_is_read_and_the_alias_substituted() -> None:
-    text = " proposals_in_flight=2, switch_interval_ms=0.5 ,trace_file=/tmp/<ALIAS>-trace.json"
-    assert tuning.from_environment({"HASTREAM_TUNING": text}, "node7") == tuning.Tuning(
-        proposals_in_flight=2, switch_interval_ms=0.5, trace_file=Path("/tmp/node7-trace.json")
+    text = (
+        " proposals_in_flight=2, switch_interval_ms=0.5 ,trace_file=/tmp/<ALIAS>-trace.json,"
+        "yield_after_ack=off"
     )
+    assert tuning.from_environment({"HASTREAM_TUNING": text}, "node7") == tuning.Tuning(
+        proposals_in_flight=2,
+        switch_interval_ms=0.5,
+        trace_file=Path("/tmp/node7-trace.json"),
+        yield_after_ack=False,
+    )
+    assert tuning.parse("yield_after_ack=on", "n") == tuning.DEFAULT
 
 
 @pytest.mark.parametrize(
@@ -34,6 +42,8 @@ def test_every_knob_is_read_and_the_alias_substituted() -> None:
         ("proposals_in_flight=two", "proposals_in_flight", "not an integer"),
         ("switch_interval_ms=0", "switch_interval_ms", "must be 0.05..100.0"),
         ("switch_interval_ms=fast", "switch_interval_ms", "not a number"),
+        ("yield_after_ack=no", "yield_after_ack", "must be on or off"),
+        ("yield_after_ack=", "yield_after_ack", "must be on or off"),
         ("peer_auth=off", "peer_auth", "unknown knob"),
         ("proposals_in_flight", "proposals_in_flight", "expected key=value"),
         ("proposals_in_flight=1,proposals_in_flight=2", "proposals_in_flight", "given twice"),
@@ -58,11 +68,15 @@ def test_no_knob_raises_a_bound_limits_py_sized_memory_by() -> None:
     in_flight=st.integers(1, limits.PROPOSALS_IN_FLIGHT_MAX),
     switch=st.none() | st.sampled_from([0.05, 0.5, 1.0, 2.5, 100.0]),
     trace=st.none() | st.sampled_from(["/tmp/a.json", "/var/tmp/x/trace.json"]),
+    yield_after_ack=st.booleans(),
 )
-def test_render_reads_back(in_flight: int, switch: float | None, trace: str | None) -> None:
+def test_render_reads_back(
+    in_flight: int, switch: float | None, trace: str | None, yield_after_ack: bool
+) -> None:
     knobs = tuning.Tuning(
         proposals_in_flight=in_flight,
         switch_interval_ms=switch,
         trace_file=None if trace is None else Path(trace),
+        yield_after_ack=yield_after_ack,
     )
     assert tuning.parse(tuning.render(knobs), "n") == knobs

@@ -27,7 +27,10 @@ SCHEMA = pa.schema([("id", pa.int64()), ("price", pa.float64())])
 def test_tuned_nodes_serve_publishes_and_write_their_traces(tmp_path: Path) -> None:
     traces = tmp_path / "traces"
     traces.mkdir()
-    knobs = f"proposals_in_flight=1,switch_interval_ms=0.5,trace_file={traces}/<ALIAS>.json"
+    knobs = (
+        "proposals_in_flight=1,switch_interval_ms=0.5,yield_after_ack=off,"
+        f"trace_file={traces}/<ALIAS>.json"
+    )
     cluster = LocalCluster(tmp_path / "cluster", environment={"HASTREAM_TUNING": knobs})
     cluster.start()
     try:
@@ -42,6 +45,8 @@ def test_tuned_nodes_serve_publishes_and_write_their_traces(tmp_path: Path) -> N
         assert_replicas_hold_exactly(cluster, "tuned", list(range(200)))
     finally:
         cluster.stop()
+    for node in cluster.nodes.values():  # each node read every knob, the switch too
+        assert "yield_after_ack=False" in node.log_path.read_text(), node.alias
     written = sorted(path.name for path in traces.iterdir())
     assert written == sorted(f"{alias}{end}" for alias in cluster.nodes for end in _TRACE_FILES)
     summaries = {
