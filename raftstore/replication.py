@@ -195,11 +195,12 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         for args, kwargs in acks:
             _send_next_node_idx(self, *args, **kwargs)
         if acks and self._replica.settings.yield_after_ack:
-            # The acknowledgement wakes the leader's tick thread, and Linux often queues it
-            # on this CPU, behind this thread, which goes on to apply what the leader's
-            # last message committed (0.2 ms for one row). Yielding lets the leader take
-            # the acknowledgement first: its commit, not this apply, is what the publisher
-            # waits for. Measured with `perf sched` and bench.checkouts_ab (benchmark.md).
+            # The acknowledgement wakes the leader's tick thread, and Linux may queue it on
+            # this CPU, behind this thread, which goes on to apply what the leader's last
+            # message committed (0.2 ms for one row) while the other CPU idles. Yielding
+            # lets the leader take the acknowledgement first: its commit, not this apply,
+            # is what the publisher waits for. Measured with bench.sched_wakeups and
+            # bench.checkouts_ab (docs/benchmark.md).
             os.sched_yield()
 
     @property
