@@ -2,6 +2,7 @@
 scheduler trace points under one publish shape.
 
     python -m bench.sched_wakeups --shape wait:1 [--seconds 4] [--markdown out.md]
+    python -m bench.sched_wakeups --shape wait:1 --tuning yield_after_ack=off
 
 On a fresh local three-node cluster, one `Publisher` in this process publishes the shape
 with bench.checkouts_ab's loop (as bench.thread_costs does). After the warm-up append, every
@@ -17,7 +18,9 @@ the other CPU, and whether the waker ran on the same CPU. A wake-up onto a CPU t
 awake costs microseconds; one queued behind a busy thread, or onto a halted vCPU woken from
 another, costs hundreds on some VMs (docs/benchmark.md, the fourth session of 2026-11-28).
 
-Needs `perf` and the kernel's tracefs, which this mounts if it is missing (root only).
+`--tuning` starts the nodes with raftstore/tuning.py's knobs (HASTREAM_TUNING), to see a
+knob's effect on the same tables. Needs `perf` and the kernel's tracefs, which this mounts
+if it is missing (root only).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from bench.checkouts_ab import Cell, Shape, publish
 from bench.publish_rows import SCHEMA, RowPool, hastream_builder
 from bench.thread_costs import own_thread_names, python_thread_names
 from deploy.local_cluster import LocalCluster
+from hastream.errors import ConfigError
 
 TRACEFS: Final = Path("/sys/kernel/tracing")
 # `perf script -F comm,pid,tid,cpu,time,event,trace`:
@@ -313,9 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", type=Shape.parse, default=Shape(wait=True, rows=1))
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--markdown", help="also write the tables to this file")
+    parser.add_argument("--tuning", default="", help="HASTREAM_TUNING of the nodes (key=value,...)")
     args = parser.parse_args(argv)
     if args.seconds < 1.5:
         parser.error("--seconds >= 1.5 (one second of it is not recorded)")
+    try:
+        environment = common.tuning_environment(args.tuning)
+    except ConfigError as error:
+        parser.error(f"--tuning: {error}")
     try:
         ensure_tracefs()
     except PerfUnavailable as error:
@@ -323,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with (
         tempfile.TemporaryDirectory(prefix="sched-wakeups-") as workdir,
-        common.bench_cluster(purge_interval_s=60, election_timeout_s=1.5) as cluster,
+        common.bench_cluster(
+            purge_interval_s=60, election_timeout_s=1.5, environment=environment
+        ) as cluster,
     ):
         recording = record(cluster, args.shape, args.seconds, Path(workdir))
     text = report(args.shape, recording)

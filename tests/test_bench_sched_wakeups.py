@@ -95,6 +95,15 @@ def test_waits_are_summed_by_thread_and_by_placement() -> None:
     assert placements[0].mean_us == pytest.approx(250)
 
 
+def test_a_bad_knob_is_a_usage_error_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        sched_wakeups.main(["--tuning", "yield_after_ack=maybe"])
+    assert exited.value.code == 2
+    assert "yield_after_ack" in capsys.readouterr().err
+
+
 def _perf_unusable() -> str | None:
     if shutil.which("perf") is None:
         return "no perf on this machine"
