@@ -236,6 +236,9 @@ def record(cluster: LocalCluster, shape: Shape, seconds: float, workdir: Path) -
         for process in perf:
             if process.poll() is None:
                 process.kill()
+    if not perf or perf[0].returncode != 0 or not data.exists():
+        code = perf[0].returncode if perf else None
+        raise PerfUnavailable(f"perf record recorded nothing (exit status {code})")
     script = subprocess.run(
         ["perf", "script", "-i", str(data), "-F", "comm,pid,tid,cpu,time,event,trace"],
         capture_output=True,
@@ -330,13 +333,17 @@ def main(argv: list[str] | None = None) -> int:
     except PerfUnavailable as error:
         print(f"cannot record: {error}", file=sys.stderr)
         return 2
-    with (
-        tempfile.TemporaryDirectory(prefix="sched-wakeups-") as workdir,
-        common.bench_cluster(
-            purge_interval_s=60, election_timeout_s=1.5, environment=environment
-        ) as cluster,
-    ):
-        recording = record(cluster, args.shape, args.seconds, Path(workdir))
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="sched-wakeups-") as workdir,
+            common.bench_cluster(
+                purge_interval_s=60, election_timeout_s=1.5, environment=environment
+            ) as cluster,
+        ):
+            recording = record(cluster, args.shape, args.seconds, Path(workdir))
+    except PerfUnavailable as error:
+        print(f"cannot record: {error}", file=sys.stderr)
+        return 2
     text = report(args.shape, recording)
     print(text, end="")
     if args.markdown:

@@ -4,7 +4,6 @@ recording of a real cluster where perf and the scheduler's trace points are usab
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -104,19 +103,17 @@ def test_a_bad_knob_is_a_usage_error_before_anything_starts(
     assert "yield_after_ack" in capsys.readouterr().err
 
 
-def _perf_unusable() -> str | None:
-    if shutil.which("perf") is None:
-        return "no perf on this machine"
-    if not (sched_wakeups.TRACEFS / "events" / "sched").is_dir() and os.geteuid() != 0:
-        return "no tracefs mounted, and only root may mount it"
-    return None
-
-
 @pytest.mark.cluster
-@pytest.mark.skipif(_perf_unusable() is not None, reason=str(_perf_unusable()))
-def test_a_real_recording_names_the_leaders_tick_and_its_waits(tmp_path: Path) -> None:
+def test_a_real_recording_names_the_leaders_tick_and_its_waits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("perf's machine-wide scheduler trace points need root")
     out = tmp_path / "sched.md"
-    assert sched_wakeups.main(["--shape", "wait:1", "--seconds", "2", "--markdown", str(out)]) == 0
+    status = sched_wakeups.main(["--shape", "wait:1", "--seconds", "2", "--markdown", str(out)])
+    if status == 2:  # no perf, no tracefs, or a kernel that lets perf record nothing
+        pytest.skip(capsys.readouterr().err.strip())
+    assert status == 0
     text = out.read_text()
     assert text.startswith("`python -m bench.sched_wakeups --shape wait:1")
     assert "| leader node" in text
