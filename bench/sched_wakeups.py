@@ -43,7 +43,7 @@ from api_clients import Session
 from bench import common
 from bench.checkouts_ab import Cell, Shape, publish
 from bench.publish_rows import SCHEMA, RowPool, hastream_builder
-from bench.thread_costs import own_thread_names, python_thread_names
+from bench.thread_costs import thread_names
 from deploy.local_cluster import LocalCluster
 from hastream.errors import ConfigError
 
@@ -137,14 +137,13 @@ class WaitStats:
 
 
 def stats(label: str, waits: list[float]) -> WaitStats:
-    ordered = sorted(waits)
     return WaitStats(
         label,
-        len(ordered),
-        statistics.fmean(ordered) * 1e6,
-        statistics.median(ordered) * 1e6,
-        ordered[int(len(ordered) * 0.9)] * 1e6,
-        sum(ordered),
+        len(waits),
+        statistics.fmean(waits) * 1e6,
+        statistics.median(waits) * 1e6,
+        common.percentile(waits, 0.9) * 1e6,
+        sum(waits),
     )
 
 
@@ -216,9 +215,8 @@ def record(cluster: LocalCluster, shape: Shape, seconds: float, workdir: Path) -
             perf[0].wait(timeout=60)
             return
         for pid, role in roles.items():  # named before perf starts: py-spy pauses them
-            names = own_thread_names() if pid == os.getpid() else python_thread_names(pid)
-            for tid in common.task_ids(pid):
-                describe[tid] = f"{role}/{_short(names.get(tid, _os_name(pid, tid)))}"
+            for tid, name in thread_names(pid).items():
+                describe[tid] = f"{role}/{_short(name)}"
         perf.append(
             subprocess.Popen(
                 ["perf", "record", "-q", "-e", "sched:sched_switch", "-e", "sched:sched_wakeup",
@@ -261,13 +259,6 @@ def _short(name: str) -> str:
     """'Thread-1 (_autoTickThread)' -> '_autoTickThread'; 'grpc_3' stays."""
     match = re.fullmatch(r"Thread-\d+ \((.*)\)", name)
     return match.group(1) if match else name
-
-
-def _os_name(pid: int, tid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-    except OSError:
-        return f"tid {tid}"
 
 
 def report(shape: Shape, recording: Recording) -> str:

@@ -137,7 +137,7 @@ def measure(cluster: LocalCluster, shape: Shape, seconds: float) -> tuple[Cell, 
     def sample() -> None:
         samples.append({process: common.thread_counters(pid) for process, pid in pids.items()})
         if len(samples) == 2:  # the end, with the client's publishing threads still alive
-            names.update({process: _names(pid) for process, pid in pids.items()})
+            names.update({process: thread_names(pid) for process, pid in pids.items()})
 
     try:
         build = hastream_builder(RowPool.make(), shape.rows)
@@ -157,7 +157,9 @@ def timed_appends(cell: Cell, shape: Shape) -> int:
     return cell.rows // shape.rows - 1
 
 
-def _names(pid: int) -> dict[int, str]:
+def thread_names(pid: int) -> dict[int, str]:
+    """tid -> name of every thread of `pid`: the Python name where there is one (this
+    process's own, or by `py-spy dump`), else the OS name."""
     own = own_thread_names() if pid == os.getpid() else python_thread_names(pid)
     return {**os_thread_names(pid), **own}
 
