@@ -202,11 +202,26 @@ class Batcher:
         self.entries_proposed += 1
         self.items_proposed += len(batch)
         try:
-            self._propose(commands.encode(command), done)
+            entry = commands.encode(command)
+            _let_go_of_payloads(command.items)
+            self._propose(entry, done)
         except Exception as error:  # handed to every waiting publisher
             self._release(number)
             for future in futures:
                 _settle(future, error=error)
+
+
+def _let_go_of_payloads(items: tuple[commands.AppendItem, ...]) -> None:
+    """The entry holds a copy of every payload now: release the views of the received gRPC
+    messages (publish_wire), so that each message's bytes are freed now rather than when
+    its publisher is answered. A 211-column 10,000-row request is 12.7 MB, and a leader
+    held one per publish waiting for its commit, beside the entry's copy. Callers read a
+    payload's size before they submit it. A view something still exports (an Arrow buffer
+    over it) is left as it is: the garbage collector frees it with its last user."""
+    for item in items:
+        if isinstance(item.payload, memoryview):
+            with contextlib.suppress(BufferError):
+                item.payload.release()
 
 
 def _settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:

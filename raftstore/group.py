@@ -234,11 +234,12 @@ class Group:
         # No lock: validation reads only immutable table metadata (state_machine.py), and a
         # lock here would stall the apply thread behind Arrow checks.
         self.applier.machine.validate_append(item.table, item.payload)
+        size = len(item.payload)  # group commit releases the payload once it is copied
         future = self._batcher.submit(item)
         lsn, result = self._wait(future)
         if result.error is not None:
             raise result.error
-        self.record_publish(item.table, result.row_count, len(item.payload), started_s)
+        self.record_publish(item.table, result.row_count, size, started_s)
         return lsn, result
 
     def submit_appends(

@@ -219,6 +219,7 @@ class PublishStream:
             while end < len(accepted) and accepted[end][0].group is target.group:
                 end += 1
             items = [item for _, item in accepted[start:end]]
+            sizes = [len(item.payload) for item in items]  # released once in an entry
             try:
                 answers = target.group.submit_appends(items)
             except RaftStoreError as error:
@@ -229,14 +230,14 @@ class PublishStream:
             pending += [
                 _Pending(
                     item.sequence,
-                    len(item.payload),
+                    size,
                     item.table,
                     target.group,
                     deadline,
                     answer,
                     None,
                 )
-                for item, answer in zip(items, answers, strict=True)
+                for item, size, answer in zip(items, sizes, answers, strict=True)
             ]
             start = end
         return pending

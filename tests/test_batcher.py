@@ -136,6 +136,50 @@ def test_an_idle_batcher_proposes_on_the_submitting_thread() -> None:
         batcher.close()
 
 
+def test_received_payloads_are_let_go_once_their_entry_holds_a_copy() -> None:
+    # A publish's payload is a view of the gRPC message it came in (publish_wire); the
+    # entry copies it, and the view is released then, not when the publisher is answered:
+    # the message's buffer is free (a bytearray can grow again only without exports) while
+    # the entry still waits for its commit. Both proposers: the caller's thread and the
+    # batcher thread (a second publish queued behind a full slot).
+    proposals = HeldProposals()
+    batcher = Batcher(2, proposals, spawn=Threads().start, in_flight_max=1)
+    try:
+        messages = [bytearray(b"y" * 10), bytearray(b"z" * 10)]
+        items = [
+            commands.AppendItem(
+                table="t", producer_id=b"p" * 16, sequence=n + 1, payload=memoryview(message)
+            )
+            for n, message in enumerate(messages)
+        ]
+        first = batcher.submit(items[0])
+        second = batcher.submit(items[1])  # no slot: the batcher thread proposes it later
+        messages[0].extend(b"!")  # released: would raise BufferError while viewed
+        with pytest.raises(BufferError):
+            messages[1].extend(b"!")  # still queued, still viewed
+        _, callback = proposals.proposed[0]
+        callback(_result(1, 1), None)
+        wait_until(lambda: proposals.count() == 2, timeout_s=5)
+        wait_until(lambda: _grows(messages[1]), timeout_s=5)
+        assert [item.payload for item, _ in _proposed_items(proposals)] == [b"y" * 10, b"z" * 10]
+        assert first.done()
+        assert not second.done()
+    finally:
+        batcher.close()
+
+
+def _grows(message: bytearray) -> bool:
+    try:
+        message.extend(b"!")
+    except BufferError:
+        return False
+    return True
+
+
+def _proposed_items(proposals: HeldProposals) -> list[tuple[commands.AppendItem, commands.Append]]:
+    return [(item, command) for command, _ in proposals.proposed for item in command.items]
+
+
 def test_a_publish_waits_behind_a_proposal_being_sent_rather_than_overtake_it() -> None:
     # One thread has taken two publishes and is inside propose (a big entry's encoding,
     # Raft's queue) when the same producer's next publish arrives with nothing queued and a

@@ -33,21 +33,30 @@ def tmp_path(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
 
 
-def write_atomic(path: Path, kind: bytes, body: bytes, *, files: Files = REAL_FILES) -> None:
+def write_atomic(
+    path: Path,
+    kind: bytes,
+    body: bytes | list[bytes | memoryview],
+    *,
+    files: Files = REAL_FILES,
+) -> None:
     """Replace `path` with a checksummed frame of `body` so that a crash leaves the old file or
     the new one. Returns once the new file and its directory entry are durable. `kind` is 4
-    bytes naming the file's role; `read_checked` must be given the same.
+    bytes naming the file's role; `read_checked` must be given the same. `body` may come in
+    parts, written as one body without being joined first (a Raft checkpoint holds an entry
+    of up to ENTRY_BYTES_MAX: joining copied it twice more, into fresh memory).
 
     Raises OSError from the disk. Before the rename, a failure leaves `path` as it was (the
     staging file is removed); a failure of the final directory fsync leaves the new file in
     place, but maybe not durable: a power loss may bring the old one back."""
-    frame = storage_format.encode_frame(kind, body)
+    parts = [body] if isinstance(body, (bytes, bytearray, memoryview)) else list(body)
+    frame = [storage_format.frame_header(kind, parts), *parts]
     staging = tmp_path(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
     fd = files.open(staging, flags, FILE_MODE)
     try:
         try:
-            write_all(files, fd, [frame])
+            write_all(files, fd, frame)
             files.fsync(fd)
         finally:
             files.close(fd)

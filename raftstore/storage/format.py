@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -225,12 +226,33 @@ def decode_record(data: bytes | memoryview) -> tuple[RecordHeader, memoryview]:
 
 def encode_frame(kind: bytes, body: bytes) -> bytes:
     """A self-checking file image: frame header (with `kind`) followed by `body`."""
-    assert len(kind) == 4, kind
-    assert len(body) <= _U64_MAX
-    fields = _FRAME_FIELDS.pack(FRAME_MAGIC, kind, FRAME_VERSION, len(body), zlib.crc32(body))
-    frame = b"".join((fields, _CRC.pack(zlib.crc32(fields)), body))
+    frame = frame_header(kind, (body,)) + body
     assert decode_frame(frame, kind) == body  # Pair assertion.
     return frame
+
+
+def frame_header(kind: bytes, body: Sequence[bytes | memoryview]) -> bytes:
+    """The header of the frame whose body is the concatenation of `body`'s parts: written
+    before them, it makes the frame `encode_frame` would, without joining the parts (a
+    checkpoint's body holds a Raft entry of up to ENTRY_BYTES_MAX)."""
+    assert len(kind) == 4, kind
+    body_crc = 0
+    body_len = 0
+    for part in body:
+        body_crc = zlib.crc32(part, body_crc)
+        body_len += _nbytes(part)
+    assert body_len <= _U64_MAX
+    fields = _FRAME_FIELDS.pack(FRAME_MAGIC, kind, FRAME_VERSION, body_len, body_crc)
+    header = fields + _CRC.pack(zlib.crc32(fields))
+    # Pair assertion, on the header: what decode_frame checks first.
+    assert _FRAME_FIELDS.unpack_from(header, 0) == (
+        FRAME_MAGIC,
+        kind,
+        FRAME_VERSION,
+        body_len,
+        body_crc,
+    )
+    return header
 
 
 def decode_frame(data: bytes | memoryview, kind: bytes) -> bytes:

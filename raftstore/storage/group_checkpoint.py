@@ -19,6 +19,7 @@ only `lsn` and `state`.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -38,14 +39,22 @@ class GroupCheckpoint:
 
 
 def encode(checkpoint: GroupCheckpoint) -> bytes:
-    return b"".join(
-        (
-            _HEADER.pack(VERSION, checkpoint.lsn, len(checkpoint.state)),
-            checkpoint.state,
-            _LENGTH.pack(len(checkpoint.trailer)),
-            checkpoint.trailer,
-        )
-    )
+    return b"".join(encode_parts(checkpoint.lsn, checkpoint.state, (checkpoint.trailer,)))
+
+
+def encode_parts(
+    lsn: int, state: bytes, trailer: Sequence[bytes | memoryview]
+) -> list[bytes | memoryview]:
+    """The body of a checkpoint whose trailer is the concatenation of `trailer`'s parts, as
+    parts to write one after the other (storage/checkpoint.write_atomic), not joined: a
+    Raft replica's trailer holds an entry of up to ENTRY_BYTES_MAX."""
+    trailer_length = sum(memoryview(part).nbytes for part in trailer)
+    return [
+        _HEADER.pack(VERSION, lsn, len(state)),
+        state,
+        _LENGTH.pack(trailer_length),
+        *trailer,
+    ]
 
 
 def decode(body: bytes) -> GroupCheckpoint:

@@ -23,7 +23,6 @@ from typing import Final
 from hastream.errors import CorruptionError
 from raftstore.storage import checkpoint, group_checkpoint
 from raftstore.storage.files import FILE_MODE, REAL_FILES, Files
-from raftstore.storage.group_checkpoint import GroupCheckpoint
 from raftstore.storage.journal import DurableJournal, Entry
 
 _TRAILER_ENTRY: Final = struct.Struct("<QQI")
@@ -38,10 +37,15 @@ class RaftCheckpoint:
 
 
 def encode_trailer(last: Entry, previous: Entry) -> bytes:
+    return b"".join(trailer_parts(last, previous))
+
+
+def trailer_parts(last: Entry, previous: Entry) -> list[bytes]:
+    """`encode_trailer`'s bytes in parts, the commands not copied."""
     parts: list[bytes] = []
     for command, idx, term in (last, previous):
         parts += [_TRAILER_ENTRY.pack(idx, term, len(command)), command]
-    return b"".join(parts)
+    return parts
 
 
 def decode_trailer(path: Path, trailer: bytes) -> tuple[Entry, Entry]:
@@ -75,15 +79,11 @@ def write(path: Path, image: RaftCheckpoint, *, files: Files = REAL_FILES) -> in
     to 16 MiB: this halves the file, written every checkpoint (every ~2 s under a heavy
     load), and restores the same pysyncobj state (trim_journal_to compares index and term)."""
     _, previous_idx, previous_term = image.previous
-    body = group_checkpoint.encode(
-        GroupCheckpoint(
-            lsn=image.lsn,
-            state=image.state,
-            trailer=encode_trailer(image.last, (b"", previous_idx, previous_term)),
-        )
+    body = group_checkpoint.encode_parts(
+        image.lsn, image.state, trailer_parts(image.last, (b"", previous_idx, previous_term))
     )
     checkpoint.write_atomic(path, group_checkpoint.KIND, body, files=files)
-    return len(body)
+    return sum(memoryview(part).nbytes for part in body)
 
 
 def read(path: Path, *, files: Files = REAL_FILES) -> RaftCheckpoint:
