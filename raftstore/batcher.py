@@ -19,12 +19,13 @@ from typing import Any
 
 from hastream.errors import LeadershipLost, Overloaded, RaftStoreError
 from raftstore import commands, limits
+from raftstore.replica import CommandBytes
 from raftstore.state_machine import AppendResult, ItemResult
 from raftstore.threads import Spawn
 
 log = logging.getLogger(__name__)
 
-Propose = Callable[[bytes, Callable[[Any, RaftStoreError | None], None]], None]
+Propose = Callable[[CommandBytes, Callable[[Any, RaftStoreError | None], None]], None]
 _Future = Future[tuple[int, ItemResult]]
 
 
@@ -202,22 +203,24 @@ class Batcher:
         self.entries_proposed += 1
         self.items_proposed += len(batch)
         try:
-            entry = commands.encode(command)
-            _let_go_of_payloads(command.items)
-            self._propose(entry, done)
+            # Joined once, by the replica, behind its own framing (replica.join_command).
+            self._propose(commands.append_parts(command), done)
         except Exception as error:  # handed to every waiting publisher
             self._release(number)
             for future in futures:
                 _settle(future, error=error)
+        finally:
+            _let_go_of_payloads(command.items)
 
 
 def _let_go_of_payloads(items: tuple[commands.AppendItem, ...]) -> None:
-    """The entry holds a copy of every payload now: release the views of the received gRPC
-    messages (publish_wire), so that each message's bytes are freed now rather than when
-    its publisher is answered. A 211-column 10,000-row request is 12.7 MB, and a leader
-    held one per publish waiting for its commit, beside the entry's copy. Callers read a
-    payload's size before they submit it. A view something still exports (an Arrow buffer
-    over it) is left as it is: the garbage collector frees it with its last user."""
+    """The replica has joined the entry (a copy of every payload), or refused it: release
+    the views of the received gRPC messages (publish_wire), so that each message's bytes are
+    freed now rather than when its publisher is answered. A 211-column 10,000-row request
+    is 12.7 MB, and a leader held one per publish waiting for its commit, beside the
+    entry's copy. Callers read a payload's size before they submit it. A view something
+    still exports (an Arrow buffer over it) is left as it is: the garbage collector frees it
+    with its last user."""
     for item in items:
         if isinstance(item.payload, memoryview):
             with contextlib.suppress(BufferError):

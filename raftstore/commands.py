@@ -288,21 +288,27 @@ def encoded_item_bytes(item: AppendItem, *, flagged: bool | None = None) -> int:
     )
 
 
+def append_parts(command: Append) -> list[bytes | memoryview]:
+    """`encode(command)` as the parts it joins, the payloads among them as given: a replica
+    that frames the command its own way joins them once, with its framing (replica.py)."""
+    flagged = any(item.contiguous for item in command.items)
+    parts: list[bytes | memoryview] = [
+        _header(Kind.APPEND_FLAGGED if flagged else Kind.APPEND),
+        _pack(_I64, command.timestamp_ms, "timestamp_ms"),
+        _pack(_U32, len(command.items), "item_count"),
+    ]
+    for item in command.items:
+        _encode_item(item, parts, flagged=flagged)
+    return parts
+
+
 def encode(command: Command) -> bytes:
     """The entry bytes of `command`. Raises InvalidArgument("command", ...) for a value the
     format cannot hold (string > 65535 bytes, int out of range, bad producer_id length).
     Payloads are copied exactly once (one b"".join)."""
     match command:
-        case Append(timestamp_ms=timestamp_ms, items=items):
-            flagged = any(item.contiguous for item in items)
-            parts: list[bytes | memoryview] = [
-                _header(Kind.APPEND_FLAGGED if flagged else Kind.APPEND),
-                _pack(_I64, timestamp_ms, "timestamp_ms"),
-                _pack(_U32, len(items), "item_count"),
-            ]
-            for item in items:
-                _encode_item(item, parts, flagged=flagged)
-            return b"".join(parts)
+        case Append():
+            return b"".join(append_parts(command))
         case CreateTable():
             key = (
                 _U8.pack(0)

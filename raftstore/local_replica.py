@@ -27,7 +27,7 @@ from hastream.errors import (
     RaftStoreError,
 )
 from raftstore import limits
-from raftstore.replica import STALLED, ApplyHooks, RoleSignal, Snapshot
+from raftstore.replica import STALLED, ApplyHooks, CommandBytes, RoleSignal, Snapshot, join_command
 from raftstore.stats import HistogramSnapshot
 from raftstore.storage import checkpoint, group_checkpoint
 from raftstore.storage.files import REAL_FILES, Files
@@ -93,7 +93,8 @@ class LocalReplica:
     def _journal_last(self) -> int:
         return int(self._journal[-1][1]) if len(self._journal) else 0
 
-    def propose(self, command: bytes, callback: Callback) -> None:
+    def propose(self, command: CommandBytes, callback: Callback) -> None:
+        command = join_command(command)
         with self._condition:
             if self._closed:
                 raise LeadershipLost("node shutting down")

@@ -89,7 +89,15 @@ from raftstore import commands, limits, pre_vote, pysyncobj_patches, trace
 from raftstore.identity import REJOIN_MARKER
 from raftstore.log_limits import OncePerInterval
 from raftstore.pre_vote import LogPosition, PreVoteRound
-from raftstore.replica import STALLED, ApplyHooks, ProposalCallback, RoleSignal, Snapshot
+from raftstore.replica import (
+    STALLED,
+    ApplyHooks,
+    CommandBytes,
+    ProposalCallback,
+    RoleSignal,
+    Snapshot,
+    join_command,
+)
 from raftstore.stats import (
     CHECKPOINT_BUCKETS_S,
     FSYNC_BUCKETS_S,
@@ -802,7 +810,7 @@ class RaftReplica:
 
     # --- API for the group (any thread) ---
 
-    def propose(self, command: bytes, callback: ProposalCallback) -> None:
+    def propose(self, command: CommandBytes, callback: ProposalCallback) -> None:
         """Queue `command` for replication. `callback(result, error)` runs on the tick thread
         once the entry is applied here (result) or failed (error); it must not block."""
 
@@ -812,7 +820,7 @@ class RaftReplica:
             else:
                 callback(None, _failure(reason))
 
-        tagged = _TAG_REGULAR + command
+        tagged = join_command(command, _TAG_REGULAR)
         tracer = trace.current()
         if tracer.on:
             tracer.proposed(tagged)

@@ -14,6 +14,7 @@ import pytest
 from hastream.errors import LeadershipLost, Overloaded, RaftStoreError
 from raftstore import commands, limits
 from raftstore.batcher import Batcher
+from raftstore.replica import CommandBytes, join_command
 from raftstore.state_machine import AppendResult, ItemResult
 from raftstore.threads import Threads
 from tests.harness import wait_until
@@ -30,8 +31,8 @@ class HeldProposals:
         self.lock = threading.Lock()
         self.proposed: list[tuple[commands.Append, Callback]] = []
 
-    def __call__(self, command: bytes, callback: Callback) -> None:
-        decoded = commands.decode(command)
+    def __call__(self, command: CommandBytes, callback: Callback) -> None:
+        decoded = commands.decode(join_command(command))
         assert isinstance(decoded, commands.Append)
         with self.lock:
             self.proposed.append((decoded, callback))
@@ -113,7 +114,7 @@ def test_an_idle_batcher_proposes_on_the_submitting_thread() -> None:
     proposals = HeldProposals()
     proposers: list[str] = []
 
-    def propose(command: bytes, callback: Callback) -> None:
+    def propose(command: CommandBytes, callback: Callback) -> None:
         proposers.append(threading.current_thread().name)
         proposals(command, callback)
 
@@ -189,7 +190,7 @@ def test_a_publish_waits_behind_a_proposal_being_sent_rather_than_overtake_it() 
     gate = threading.Event()
     proposals = HeldProposals()
 
-    def propose(command: bytes, callback: Callback) -> None:
+    def propose(command: CommandBytes, callback: Callback) -> None:
         if not entered.is_set():
             entered.set()
             assert gate.wait(timeout=10)
@@ -233,9 +234,9 @@ def test_concurrent_submitters_are_proposed_once_each_in_their_order(seed: int) 
     answered = 0
     most_in_flight = 0
 
-    def propose(command: bytes, callback: Callback) -> None:
+    def propose(command: CommandBytes, callback: Callback) -> None:
         nonlocal most_in_flight
-        decoded = commands.decode(command)
+        decoded = commands.decode(join_command(command))
         assert isinstance(decoded, commands.Append)
         # A propose takes a while (Raft's queue, a big entry's encoding): another submitter
         # or the batcher thread gets the GIL meanwhile. Spinning, not sleeping, for it.

@@ -23,6 +23,7 @@ from raftstore.commands import (
     encode,
     encoded_item_bytes,
 )
+from raftstore.replica import join_command
 
 PRODUCER = bytes(range(16))
 
@@ -112,6 +113,21 @@ def test_generated_commands_round_trip(command: Command) -> None:
     assert decode(data) == command
     assert decode(memoryview(data)) == command
     assert encode(decode(data)) == data
+
+
+@pytest.mark.property
+@given(command_strategy)
+def test_append_parts_join_to_the_encoded_entry_with_any_replica_prefix(command: Command) -> None:
+    # What a replica joins (replica.join_command) is the entry encode() makes, behind the
+    # replica's own framing (pysyncobj's tag byte), the payloads passed through uncopied.
+    if not isinstance(command, Append):
+        return
+    parts = commands.append_parts(command)
+    assert b"".join(parts) == encode(command)
+    assert join_command(parts, b"\x00") == b"\x00" + encode(command)
+    assert join_command(encode(command)) == encode(command)
+    payloads = [part for part in parts if any(part is item.payload for item in command.items)]
+    assert len(payloads) == len(command.items)
 
 
 @pytest.mark.unit
