@@ -25,6 +25,14 @@ def test_write_then_read_round_trips(tmp_path: Path) -> None:
     assert not checkpoint.tmp_path(path).exists()
 
 
+def test_a_body_written_in_parts_reads_back_joined(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.bin"
+    parts: list[bytes | memoryview] = [b"head", memoryview(b"xx-middle-xx")[3:-3], b"", b"tail"]
+    checkpoint.write_atomic(path, KIND, parts)
+    assert checkpoint.read_checked(path, KIND) == b"head" + b"middle" + b"tail"
+    assert not checkpoint.tmp_path(path).exists()
+
+
 def test_write_replaces_previous_content(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.bin"
     checkpoint.write_atomic(path, KIND, b"first")
