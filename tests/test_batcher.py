@@ -273,17 +273,22 @@ def test_concurrent_submitters_are_proposed_once_each_in_their_order(seed: int) 
     responder.start()
     per_thread = 150
     futures: dict[int, list[Future[tuple[int, ItemResult]]]] = {}
+    # Each payload is a view of a message of its own, as publish_wire hands them over; the
+    # batcher releases the views once the entry is joined, whichever thread proposes.
+    messages: list[bytearray] = []
 
     def submitter(thread: int, plan: list[tuple[int, bool]]) -> None:
         mine: list[Future[tuple[int, ItemResult]]] = []
         sequence = 0
         for size, waited in plan:
+            received = [bytearray(f"{thread}:{sequence + k}".encode()) for k in range(size)]
+            messages.extend(received)
             items = [
                 commands.AppendItem(
                     table="t",
                     producer_id=bytes([thread]) * 16,
                     sequence=sequence + k,
-                    payload=b"x",
+                    payload=memoryview(received[k]),
                 )
                 for k in range(size)
             ]
@@ -318,6 +323,8 @@ def test_concurrent_submitters_are_proposed_once_each_in_their_order(seed: int) 
     for entry, _ in proposed:
         for item in entry.items:
             seen[item.producer_id[0]].append(item.sequence)
+            assert bytes(item.payload) == f"{item.producer_id[0]}:{item.sequence}".encode()
+    assert all(_grows(message) for message in messages), f"seed {seed}: a view not released"
     for number, plan in plans.items():
         expected = list(range(sum(size for size, _ in plan)))
         assert seen[number] == expected, f"seed {seed}, submitter {number}"
