@@ -139,6 +139,36 @@ def test_a_new_session_reads_every_acknowledged_row_up_to_the_end_from_the_leade
     assert table_ids(cluster, follower, "ends") == list(range(50))  # a plain read: any node
 
 
+def test_a_range_past_a_followers_rows_is_read_at_the_leader(cluster: LocalCluster) -> None:
+    # An explicit range is served by any node, but a follower learns of rows a few ms after
+    # their acknowledgement: an offset past the rows it holds is the leader's to answer
+    # (NotLeader naming it), not an OffsetOutOfRange the rows may never deserve.
+    cluster.create_table("past", SCHEMA)
+    leader = cluster.leader()
+    follower = next(alias for alias in cluster.alive() if alias != leader)
+    with session_for(cluster, first=leader) as session:
+        publisher = Publisher(session, "past")
+        publisher.append(frame(0, 10))
+        converged(cluster, "past", 10)
+        request = pb.ReadRequest(table="past", offset_from=15, offset_to=20)
+        with pytest.raises(grpc.RpcError) as redirected:
+            list(cluster.stub(follower).Read(request, timeout=10))
+        metadata = dict(redirected.value.trailing_metadata() or ())
+        assert metadata["hastream-error"] == "NotLeader"
+        assert json.loads(metadata["hastream-error-fields"])["leader"].endswith(f":{leader}")
+        with pytest.raises(grpc.RpcError) as past_the_end:
+            list(cluster.stub(leader).Read(request, timeout=10))
+        metadata = dict(past_the_end.value.trailing_metadata() or ())
+        assert metadata["hastream-error"] == "OffsetOutOfRange"
+        # Rows read back right after their acknowledgement, first asked of the follower:
+        # whether it has applied them yet or not, the reader gets them.
+        with session_for(cluster, first=follower) as reader:
+            for first in range(10, 60, 5):
+                publisher.append(frame(first, 5))
+                rows = reader.read("past", first, first + 5).column("id").to_pylist()
+                assert rows == list(range(first, first + 5))
+
+
 def test_bad_rows_are_refused_before_any_network_call(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:

@@ -126,8 +126,7 @@ def test_append_parts_join_to_the_encoded_entry_with_any_replica_prefix(command:
     assert b"".join(parts) == encode(command)
     assert join_command(parts, b"\x00") == b"\x00" + encode(command)
     assert join_command(encode(command)) == encode(command)
-    payloads = [part for part in parts if any(part is item.payload for item in command.items)]
-    assert len(payloads) == len(command.items)
+    assert all(any(part is item.payload for part in parts) for item in command.items)
 
 
 @pytest.mark.unit
