@@ -423,12 +423,13 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             group.require_leader()
         store = group.store(request.table)
         view = group.table_view(request.table)
+        if request.offset_from > store.row_count:
+            # Past the rows this replica holds: a follower may only lag the acknowledged end
+            # by the few ms until it learns the commit, a new leader may not have applied
+            # its log yet. The leader, once ready, answers: the rows, or OffsetOutOfRange
+            # past its end too (a follower answers NotLeader naming it).
+            group.require_leader()
         end = store.row_count if request.offset_to < 0 else min(request.offset_to, store.row_count)
-        if request.offset_from > store.row_count and not group.is_leader():
-            # Past this follower's rows, which may only lag the acknowledged end by the few
-            # ms until it learns the commit: the leader answers (with the rows, or with
-            # OffsetOutOfRange if they are past its end too).
-            raise group.not_leader()
         if request.offset_from < store.earliest_offset or request.offset_from > end:
             raise OffsetOutOfRange(request.table, request.offset_from, store.earliest_offset, end)
         position = request.offset_from
