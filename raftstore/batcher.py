@@ -69,7 +69,9 @@ class Batcher:
         """Queue `items` for group commit, in order: all are queued or none (Overloaded,
         LeadershipLost). When no proposal is being sent and a slot is free, the caller
         proposes what is queued itself: handing it to the batcher thread would add a thread
-        wake-up and a GIL hand-over to every waited publish's path."""
+        wake-up and a GIL hand-over to every waited publish's path. A payload given as a
+        memoryview (a received message, publish_wire) is released once its entry is joined
+        (`_let_go_of_payloads`): a caller reads its size before submitting it."""
         futures: list[_Future] = [Future() for _ in items]
         with self._condition:
             if self._closed:

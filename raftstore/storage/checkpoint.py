@@ -49,7 +49,7 @@ def write_atomic(
     Raises OSError from the disk. Before the rename, a failure leaves `path` as it was (the
     staging file is removed); a failure of the final directory fsync leaves the new file in
     place, but maybe not durable: a power loss may bring the old one back."""
-    parts = [body] if isinstance(body, (bytes, bytearray, memoryview)) else list(body)
+    parts = [body] if isinstance(body, bytes) else body
     frame = [storage_format.frame_header(kind, parts), *parts]
     staging = tmp_path(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from raftstore.storage.format import FormatError
+from raftstore.storage.format import FormatError, parts_nbytes
 
 KIND: Final = b"GCKP"
 VERSION: Final = 2
@@ -48,7 +48,7 @@ def encode_parts(
     """The body of a checkpoint whose trailer is the concatenation of `trailer`'s parts, as
     parts to write one after the other (storage/checkpoint.write_atomic), not joined: a
     Raft replica's trailer holds an entry of up to ENTRY_BYTES_MAX."""
-    trailer_length = sum(memoryview(part).nbytes for part in trailer)
+    trailer_length = parts_nbytes(trailer)
     return [
         _HEADER.pack(VERSION, lsn, len(state)),
         state,

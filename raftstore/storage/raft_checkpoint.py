@@ -23,6 +23,7 @@ from typing import Final
 from hastream.errors import CorruptionError
 from raftstore.storage import checkpoint, group_checkpoint
 from raftstore.storage.files import FILE_MODE, REAL_FILES, Files
+from raftstore.storage.format import parts_nbytes
 from raftstore.storage.journal import DurableJournal, Entry
 
 _TRAILER_ENTRY: Final = struct.Struct("<QQI")
@@ -83,7 +84,7 @@ def write(path: Path, image: RaftCheckpoint, *, files: Files = REAL_FILES) -> in
         image.lsn, image.state, trailer_parts(image.last, (b"", previous_idx, previous_term))
     )
     checkpoint.write_atomic(path, group_checkpoint.KIND, body, files=files)
-    return sum(memoryview(part).nbytes for part in body)
+    return parts_nbytes(body)
 
 
 def read(path: Path, *, files: Files = REAL_FILES) -> RaftCheckpoint:
