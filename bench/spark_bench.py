@@ -10,6 +10,9 @@ bool, timestamp, date, 20-char string) written to HA tables keyed by `id`:
   (`availableNow`, one micro-batch), batchRows 10000;
 - the plain client: `Publisher.append` of the same Arrow rows, 10000 rows per request, with
   1 and 2 publisher threads;
+- Spark's own floor: the same `df.write` and `df.writeStream` into a Python sink whose
+  writers only count their rows (bench/spark_floor.py): what Spark takes to hand the rows
+  to its Python workers, on the same cores, in the same rounds;
 The write cells run interleaved, round by round (`--repeat` rounds), after `--warmup`
 untimed rounds of them (default 1: the first Spark write of a session starts its Python
 workers and warms the JVM, 2-4 times a steady write's seconds), and the Spark writes
@@ -78,6 +81,8 @@ COLUMNS = (
 )
 CLIENT_BATCH_ROWS = 10_000
 PUBLISHER = "client Publisher.append, 10000-row requests, 1 thread"
+FLOOR_WRITE = "Spark's floor: df.write into a Python sink that only counts"
+FLOOR_STREAM_WRITE = "Spark's floor: df.writeStream from parquet into a sink that only counts"
 RESULTS_STEM = common.RESULTS_DIR / "spark-bench"
 
 
@@ -170,6 +175,9 @@ def report(results: list[Row], rows: int, meta: dict[str, Any]) -> str:
 def run_all(
     spark: Any, cluster: LocalCluster, root: Path, rows: int, repeat: int, warmup: int
 ) -> list[Row]:
+    from bench import spark_floor  # imports pyspark, as the Spark session does
+
+    spark.dataSource.register(spark_floor.CountingSink)
     sites = ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes.values())
     client = Session(sites.split(","))
     frame = spark.range(rows, numPartitions=2).selectExpr(*COLUMNS).cache()
@@ -220,15 +228,13 @@ def run_all(
 
         return run
 
-    def spark_stream_write(attempt: int) -> float:
-        name = new_table()
+    def stream_into(sink: str, options: dict[str, str], checkpoint: str) -> float:
         query = (
             spark.readStream.schema(frame.schema)
             .parquet(str(parquet_dir))
-            .writeStream.format("hastream")
-            .option("sites", sites)
-            .option("table", name)
-            .option("checkpointLocation", str(root / f"write-checkpoint-{name}"))
+            .writeStream.format(sink)
+            .options(**options)
+            .option("checkpointLocation", str(root / f"write-checkpoint-{checkpoint}"))
             .trigger(availableNow=True)
         )
 
@@ -237,9 +243,23 @@ def run_all(
             started.awaitTermination()
             assert started.exception() is None, started.exception()
 
-        seconds = timed(go)
+        return timed(go)
+
+    def spark_stream_write(attempt: int) -> float:
+        name = new_table()
+        seconds = stream_into("hastream", {"sites": sites, "table": name}, name)
         assert fresh_count(client, name) == rows
         return seconds
+
+    floor_writes = iter(range(10_000))
+
+    def floor_write(attempt: int) -> float:
+        writer = frame.write.format(spark_floor.NAME).option("rows", rows).mode("append")
+        return timed(writer.save)  # the sink's commit fails unless every row arrived
+
+    def floor_stream_write(attempt: int) -> float:
+        checkpoint = f"floor{next(floor_writes)}"
+        return stream_into(spark_floor.NAME, {"rows": str(rows)}, checkpoint)
 
     def client_write(threads: int) -> Callable[[int], float]:
         def run(attempt: int) -> float:
@@ -279,6 +299,8 @@ def run_all(
         "df.writeStream hastream from parquet, availableNow, batchRows 10000": (spark_stream_write),
         "df.write hastream, batchRows 50000": spark_write(50_000),
         "client Publisher.append, 10000-row requests, 2 threads": client_write(2),
+        FLOOR_WRITE: floor_write,
+        FLOOR_STREAM_WRITE: floor_stream_write,
     }
     rounds: dict[str, list[float]] = {name: [] for name in writes}
     # Interleaved, so drifting load hits every cell alike; the first `warmup` rounds are

@@ -37,12 +37,15 @@ def test_the_spark_benchmark_writes_its_table_and_every_run(tmp_path: Path) -> N
     assert text in done.stdout
     assert f"- command: `python -m bench.spark_bench {' '.join(argv)}`" in text
     results = json.loads(record.read_text())["results"]
-    assert len(results) == 9
+    assert len(results) == 11
     by_name = {row["name"]: row for row in results}
     assert by_name["df.write hastream, batchRows 10000"]["share"].endswith("%")
     assert all(len(row["runs"]) == 1 and row["seconds"] > 0 for row in results)
     writes = [row for row in results if "write" in row["name"] or "append" in row["name"]]
-    assert len(writes) == 5
+    assert len(writes) == 7
+    floors = [row for row in writes if row["name"].startswith("Spark's floor")]
+    assert len(floors) == 2
+    assert all(row["share"].endswith("%") for row in floors)
     assert all(len(row["warmup_runs"]) == 1 for row in writes)
     assert "- warm-up: 1 untimed round(s) of every write first" in text
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith("spark-bench-")] == []
