@@ -251,15 +251,12 @@ def run_all(
         assert fresh_count(client, name) == rows
         return seconds
 
-    floor_writes = iter(range(10_000))
-
     def floor_write(attempt: int) -> float:
         writer = frame.write.format(spark_floor.NAME).option("rows", rows).mode("append")
         return timed(writer.save)  # the sink's commit fails unless every row arrived
 
     def floor_stream_write(attempt: int) -> float:
-        checkpoint = f"floor{next(floor_writes)}"
-        return stream_into(spark_floor.NAME, {"rows": str(rows)}, checkpoint)
+        return stream_into(spark_floor.NAME, {"rows": str(rows)}, f"floor{attempt}")
 
     def client_write(threads: int) -> Callable[[int], float]:
         def run(attempt: int) -> float:

@@ -35,34 +35,28 @@ class Counted(WriterCommitMessage):
     rows: int
 
 
-def _count(iterator: Iterator[pa.RecordBatch]) -> Counted:
-    return Counted(sum(batch.num_rows for batch in iterator))
-
-
 def _check(expected: int, messages: list[WriterCommitMessage | None]) -> None:
     rows = sum(message.rows for message in messages if isinstance(message, Counted))
     if rows != expected:
         raise ValueError(f"the counting sink got {rows} rows, expected {expected}")
 
 
-class _BatchWriter(DataSourceArrowWriter):
+class _Counting:
+    """What both writers do in a task: count the rows, nothing else."""
+
     def __init__(self, expected: int) -> None:
         self._expected = expected
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> Counted:
-        return _count(iterator)
+        return Counted(sum(batch.num_rows for batch in iterator))
 
+
+class _BatchWriter(_Counting, DataSourceArrowWriter):
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         _check(self._expected, messages)
 
 
-class _StreamWriter(DataSourceStreamArrowWriter):
-    def __init__(self, expected: int) -> None:
-        self._expected = expected
-
-    def write(self, iterator: Iterator[pa.RecordBatch]) -> Counted:
-        return _count(iterator)
-
+class _StreamWriter(_Counting, DataSourceStreamArrowWriter):
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         _check(self._expected, messages)  # the benchmark's streams are one micro-batch
 
