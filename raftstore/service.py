@@ -36,7 +36,16 @@ from hastream.errors import (
 from hastream.model import LOCAL_GROUP, topic_name
 from proto import hastream_pb2 as pb
 from proto import hastream_pb2_grpc
-from raftstore import access, commands, limits, passwords, publish_wire, routing, trace
+from raftstore import (
+    access,
+    commands,
+    grpc_unary,
+    limits,
+    passwords,
+    publish_wire,
+    routing,
+    trace,
+)
 from raftstore.admission import StreamSlots
 from raftstore.auth import Authenticator, Principal
 from raftstore.catalog import Catalog
@@ -740,6 +749,7 @@ def start_server(
     """Serve the StreamTable service of `node` on `address` ("host:port"), and `health`
     (a grpc.health.v1 HealthServicer) beside it when given; over TLS with `credentials`.
     Raises OSError when the port cannot be bound."""
+    grpc_unary.install()  # a unary request is taken in by the serving thread (one hand-off)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="grpc"),
         options=[

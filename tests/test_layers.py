@@ -201,6 +201,7 @@ NODE_LAYERS: dict[str, int] = {
     **dict.fromkeys(("storage/raft_checkpoint",), 2),
     **dict.fromkeys(("tables", "replica", "retention", "batcher", "peers", "catch_up"), 3),
     **dict.fromkeys(("pysyncobj_patches", "peer_frames", "peer_auth", "node_tls", "transfer"), 3),
+    **dict.fromkeys(("grpc_unary",), 3),
     **dict.fromkeys(("apply", "identity", "local_replica", "replication", "group"), 4),
     **dict.fromkeys(("subscriptions", "pipeline", "routing", "catalog", "scrub", "digest"), 5),
     **dict.fromkeys(("admission", "auth", "slow_consumers"), 5),
