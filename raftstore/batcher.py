@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from hastream.errors import LeadershipLost, Overloaded, RaftStoreError
+from hastream.errors import LeadershipLost, Overloaded, ProposalTimeout, RaftStoreError
 from raftstore import commands, limits
 from raftstore.replica import CommandBytes
 from raftstore.state_machine import AppendResult, ItemResult
@@ -41,20 +41,25 @@ class Batcher:
         *,
         spawn: Spawn,
         in_flight_max: int = limits.PROPOSALS_IN_FLIGHT_MAX,
+        proposal_timeout_s: float = limits.PROPOSAL_TIMEOUT_S,
     ) -> None:
         # Never above the limit: the Raft send buffer cap (limits.py) is sized by it.
         if not 1 <= in_flight_max <= limits.PROPOSALS_IN_FLIGHT_MAX:
             raise ValueError(f"in_flight_max must be 1..{limits.PROPOSALS_IN_FLIGHT_MAX}")
         self._in_flight_max = in_flight_max
+        self._proposal_timeout_s = proposal_timeout_s
         self._group_id = group_id
         self._propose = propose
         self._queue: collections.deque[tuple[commands.AppendItem, _Future]] = collections.deque()
         self._queued_bytes = 0
         self._condition = threading.Condition()
         # Proposal number -> deadline. A slot is freed by the proposal's callback, or at its
-        # deadline: pysyncobj never calls back for entries a snapshot install wiped out.
+        # deadline, where its publishes fail with ProposalTimeout: pysyncobj never calls
+        # back for entries a snapshot install wiped out, and a deferred answer (a unary
+        # Publish, grpc_unary.Deferred) comes only when its future completes.
         self._in_flight: dict[int, float] = {}
         self._waiting: dict[int, list[_Future]] = {}
+        self._expired: list[_Future] = []  # of expired proposals, for the thread to fail
         self._proposals = 0
         self._sending = False  # a proposal's number is taken and its propose not yet done
         self._closed = False
@@ -97,10 +102,9 @@ class Batcher:
             self._condition.notify_all()
         # Waited for here too: the queue is failed below only once the loop takes no more.
         self._thread.join(timeout=5)
-        with self._condition:
-            while self._queue:
-                _, future = self._queue.popleft()
-                future.set_exception(LeadershipLost("node shutting down"))
+        # Queued and uncommitted publishes alike: no callback comes after the node stops,
+        # and a deferred answer (grpc_unary.Deferred) comes only when its future completes.
+        self.fail_in_flight(LeadershipLost("node shutting down"))
 
     @property
     def queue_depth(self) -> int:
@@ -108,17 +112,29 @@ class Batcher:
 
     def _run(self) -> None:  # the batcher's event loop: runs until close()
         while True:
+            batch: list[tuple[commands.AppendItem, _Future]] = []
             with self._condition:
-                while not self._closed and not (
-                    self._queue and not self._sending and self._slot_free()
-                ):
+                if not self._closed and not self._ready():
                     self._condition.wait(timeout=0.1)
-                if self._closed:
-                    return
-                # Publishes that arrived while every slot was busy join this entry.
-                batch = self._drain()
-                number = self._take_slot(batch)
-            self._send_and_finish(number, batch)
+                if self._in_flight:
+                    self._slot_free()  # expires what is past its deadline, queue or not
+                expired, self._expired = self._expired, []
+                closed = self._closed
+                if not closed and self._ready():
+                    # Publishes that arrived while every slot was busy join this entry.
+                    batch = self._drain()
+                    number = self._take_slot(batch)
+            timeout = ProposalTimeout(self._proposal_timeout_s)
+            for future in expired:  # outside the lock: completing a future runs callbacks
+                _settle(future, error=timeout)
+            if closed:
+                return
+            if batch:
+                self._send_and_finish(number, batch)
+
+    def _ready(self) -> bool:
+        """A proposal can be sent now (caller holds the condition)."""
+        return bool(self._queue) and not self._sending and self._slot_free()
 
     def _take_slot(self, batch: list[tuple[commands.AppendItem, _Future]]) -> int:
         """A proposal number for `batch`, marked as being sent (caller holds the
@@ -126,7 +142,7 @@ class Batcher:
         which is the order their publishes were submitted in."""
         self._proposals += 1
         number = self._proposals
-        self._in_flight[number] = time.monotonic() + limits.PROPOSAL_TIMEOUT_S
+        self._in_flight[number] = time.monotonic() + self._proposal_timeout_s
         self._waiting[number] = [future for _, future in batch]
         self._sending = True
         return number
@@ -143,11 +159,15 @@ class Batcher:
                     self._condition.notify()
 
     def _slot_free(self) -> bool:
+        """Whether a proposal may be sent (caller holds the condition). An expired proposal
+        frees its slot first; the batcher's thread fails its publishes with ProposalTimeout
+        (whether they commit is unknown; a deduplicated retry is safe)."""
         now = time.monotonic()
         for number, deadline in list(self._in_flight.items()):
             if deadline < now:
                 log.warning("proposal expired without a callback group=%d", self._group_id)
                 del self._in_flight[number]
+                self._expired += self._waiting.pop(number, [])
         return len(self._in_flight) < self._in_flight_max
 
     def _release(self, number: int) -> None:

@@ -57,6 +57,16 @@ class Member:
     advertised: NodeAddress  # what clients are told: NotLeader hints, leader answers
 
 
+@dataclass(frozen=True, slots=True)
+class PendingPublish:
+    """A publish handed to group commit (`Group.start_publish`), not answered yet."""
+
+    table: str
+    size: int  # payload bytes, read before group commit released the payload
+    started_s: float  # time.monotonic() of its arrival
+    future: Future[tuple[int, ItemResult]]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GroupSettings:
     group_id: int
@@ -229,17 +239,25 @@ class Group:
 
     def publish(self, item: commands.AppendItem) -> tuple[int, ItemResult]:
         """Append one batch; returns (lsn of the entry that carried it, its result)."""
+        return self.publish_outcome(self.start_publish(item))
+
+    def start_publish(self, item: commands.AppendItem) -> PendingPublish:
+        """Validate one batch and hand it to group commit; `publish_outcome` waits for it."""
         started_s = time.monotonic()
         self.require_leader()
         # No lock: validation reads only immutable table metadata (state_machine.py), and a
         # lock here would stall the apply thread behind Arrow checks.
         self.applier.machine.validate_append(item.table, item.payload)
         size = len(item.payload)  # group commit releases the payload once it is copied
-        future = self._batcher.submit(item)
-        lsn, result = self._wait(future)
+        return PendingPublish(item.table, size, started_s, self._batcher.submit(item))
+
+    def publish_outcome(self, pending: PendingPublish) -> tuple[int, ItemResult]:
+        """(lsn, result) of a started publish once committed and applied (at once if its
+        future is done), or its typed error; counted in the table's publish stats."""
+        lsn, result = self._wait(pending.future)
         if result.error is not None:
             raise result.error
-        self.record_publish(item.table, result.row_count, size, started_s)
+        self.record_publish(pending.table, result.row_count, pending.size, pending.started_s)
         return lsn, result
 
     def submit_appends(

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any, Final
 
 import grpc
@@ -37,7 +39,9 @@ SUPPORTED_VERSIONS: Final = ("1.85",)
 _PRIVATE_NAMES: Final = (
     "_handle_unary_unary",
     "_receive_message",
-    "_unary_response_in_pool",
+    "_call_behavior",
+    "_serialize_response",
+    "_status",
     "_select_thread_pool_for_behavior",
     "_is_rpc_state_active",
     "_abort",
@@ -69,6 +73,23 @@ def install(version: str = grpc.__version__) -> bool:
             return False
         _server._handle_unary_unary = _handle_unary_unary
         return True
+
+
+def defers() -> bool:
+    """True if a unary handler may return `Deferred` (this module's path is installed)."""
+    return _server._handle_unary_unary is _handle_unary_unary
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A unary handler's answer to come: once `future` is done, `answer()` runs on the
+    thread that completed it (at once if it is done already) and returns the response, or
+    raises as a handler does (`context.abort` included). The call's worker is free
+    meanwhile, and the answer leaves without waking it. `future` must complete: the call
+    counts as active (maximum_concurrent_rpcs) until it does."""
+
+    future: futures.Future[Any]
+    answer: Callable[[], Any]
 
 
 def uninstall() -> None:
@@ -109,18 +130,59 @@ def _handle_unary_unary(
                 )
             return request if _server._is_rpc_state_active(state) else None
 
-    def respond() -> None:
+    def send(response: Any) -> None:
+        serialized = _server._serialize_response(
+            rpc_event, state, response, method_handler.response_serializer
+        )
+        if serialized is not None:
+            _server._status(rpc_event, state, serialized)
+
+    def complete(deferred: Deferred) -> None:
+        """On the thread that completed `deferred.future`: answer the call as grpc answers
+        a handler's return or exception."""
         try:
-            _server._unary_response_in_pool(
-                rpc_event,
-                state,
-                behavior,
-                take_request,
-                method_handler.request_deserializer,
-                method_handler.response_serializer,
-            )
+            response = deferred.answer()
+        except Exception as exception:
+            with state.condition:
+                if not state.aborted:
+                    log.exception("deferred answer failed")
+                details = (
+                    b"RPC Aborted"
+                    if state.aborted
+                    else f"Exception calling application: {exception}".encode()
+                )
+                _server._abort(state, rpc_event.call, cygrpc.StatusCode.unknown, details)
+        else:
+            send(response)
         finally:
             handled.set_result(None)
+
+    def respond() -> None:
+        """grpc's `_unary_response_in_pool`, except that a handler may return `Deferred`."""
+        deferred: Deferred | None = None
+        cygrpc.install_context_from_request_call_event(rpc_event)
+        try:
+            request = take_request()
+            if request is None:
+                return
+            response, proceed = _server._call_behavior(
+                rpc_event, state, behavior, request, method_handler.request_deserializer
+            )
+            if not proceed:
+                return
+            if isinstance(response, Deferred):
+                deferred = response
+                return
+            send(response)
+        except Exception:
+            log.exception("unary call failed")
+        finally:
+            cygrpc.uninstall_context()
+            if deferred is None:
+                handled.set_result(None)
+            else:
+                # At once if it is done already; else on the thread that completes it.
+                deferred.future.add_done_callback(lambda _: complete(deferred))
 
     def received(event: Any) -> Any:
         # On the serving thread: grpc's bookkeeping first, then the handler on a worker.

@@ -51,7 +51,7 @@ from raftstore.auth import Authenticator, Principal
 from raftstore.catalog import Catalog
 from raftstore.config import ClusterConfig
 from raftstore.digest import table_digest
-from raftstore.group import Group
+from raftstore.group import Group, PendingPublish
 from raftstore.log_limits import OncePerInterval
 from raftstore.peer_auth import PeerVerifier
 from raftstore.pipeline import PublishStream, StreamedPublish
@@ -93,6 +93,23 @@ class NodeView(Protocol):
 def _abort(context: grpc.ServicerContext, error: RaftStoreError) -> None:
     context.set_trailing_metadata(to_wire(error))
     context.abort(getattr(grpc.StatusCode, error.grpc_code), str(error))
+
+
+def _publish_answer(
+    context: grpc.ServicerContext, group: Group, pending: PendingPublish, started: float
+) -> pb.PublishResponse:
+    """The answer to a unary Publish once its entry is applied (or its typed error as the
+    call's status, as `unary` makes it): on the worker that waits for it, or deferred, on
+    the thread that applied the entry."""
+    try:
+        lsn, result = group.publish_outcome(pending)
+    except RaftStoreError as error:
+        _abort(context, error)
+        raise AssertionError("unreachable: abort raises") from error
+    tracer = trace.current()
+    if tracer.on:
+        tracer.answered(lsn, started, trace.clock())
+    return publish_response(lsn, result)
 
 
 def unary(method: Callable[..., Response]) -> Callable[..., Response]:
@@ -360,7 +377,9 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     # --- data ---
 
     @unary
-    def Publish(self, request: publish_wire.PublishView, context: Any) -> pb.PublishResponse:
+    def Publish(
+        self, request: publish_wire.PublishView, context: Any
+    ) -> pb.PublishResponse | grpc_unary.Deferred:
         self._require(context, "Publish", commands.Privilege.TABLE_WRITE, request.table)
         if request.producer_id and len(request.producer_id) != 16:
             raise InvalidArgument("producer_id", "must be empty or exactly 16 bytes")
@@ -371,11 +390,14 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             payload=request.payload,
         )
         started = trace.clock()
-        lsn, result = self._group_of(request.table, leader_only=True).publish(item)
-        tracer = trace.current()
-        if tracer.on:
-            tracer.answered(lsn, started, trace.clock())
-        return publish_response(lsn, result)
+        group = self._group_of(request.table, leader_only=True)
+        pending = group.start_publish(item)
+        answer = functools.partial(_publish_answer, context, group, pending, started)
+        if grpc_unary.defers():
+            # Answered by the thread that applies the entry (the Raft tick's): no wake-up
+            # of this worker between the commit and the answer.
+            return grpc_unary.Deferred(pending.future, answer)
+        return answer()
 
     @streaming
     def PublishStream(

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hastream.errors import LeadershipLost, Overloaded, RaftStoreError
+from hastream.errors import LeadershipLost, Overloaded, ProposalTimeout, RaftStoreError
 from raftstore import commands, limits
 from raftstore.batcher import Batcher
 from raftstore.replica import CommandBytes, join_command
@@ -72,6 +72,39 @@ def test_step_down_fails_in_flight_and_queued_publishes_and_proposes_none_later(
         assert not later.done()
     finally:
         batcher.close()
+
+
+def test_a_proposal_never_called_back_fails_its_publishes_at_its_deadline() -> None:
+    """pysyncobj never calls back for entries a snapshot install wiped out: at the deadline
+    the publishes fail with ProposalTimeout, with nothing else queued to look at the slot
+    (a deferred unary answer waits for exactly this future), and the slot is free again."""
+    proposals = HeldProposals()
+    batcher = Batcher(2, proposals, spawn=Threads().start, in_flight_max=1, proposal_timeout_s=0.3)
+    try:
+        lost = batcher.submit_many([_item(1), _item(2)])
+        for future in lost:
+            error = future.exception(timeout=10)
+            assert isinstance(error, ProposalTimeout)
+            assert error.timeout_s == 0.3
+        later = batcher.submit(_item(3))
+        assert proposals.count() == 2
+        _, callback = proposals.proposed[1]
+        callback(_result(7, 1), None)
+        assert later.result(timeout=5)[0] == 7
+    finally:
+        batcher.close()
+
+
+def test_close_fails_queued_and_uncommitted_publishes() -> None:
+    proposals = HeldProposals()
+    batcher = Batcher(2, proposals, spawn=Threads().start, in_flight_max=1)
+    in_flight = batcher.submit(_item(1))
+    queued = batcher.submit(_item(2))
+    batcher.close()
+    for future in (in_flight, queued):
+        error = future.exception(timeout=5)
+        assert isinstance(error, LeadershipLost)
+        assert "shutting down" in str(error)
 
 
 def test_the_queue_refuses_payload_bytes_past_its_bound() -> None:

@@ -8,6 +8,7 @@ real channel: same answers, same status codes, and the server's count of active 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +34,8 @@ class _Handlers:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.entered = threading.Event()
+        self.pending: list[futures.Future[bytes]] = []
+        self.answered_on: list[str] = []
 
     def echo(self, request: bytes, context: Any) -> bytes:
         return request
@@ -49,6 +52,27 @@ class _Handlers:
         assert self.release.wait(30), "the test never released the handler"
         return request
 
+    def later(self, request: bytes, context: Any) -> grpc_unary.Deferred:
+        """Answered by whoever completes the handler's future (the test), as the node's
+        Publish is by the Raft thread that applies its entry."""
+        future: futures.Future[bytes] = futures.Future()
+        self.pending.append(future)
+        self.entered.set()
+
+        def answer() -> bytes:
+            self.answered_on.append(threading.current_thread().name)
+            outcome = future.result()
+            if outcome == b"abort":
+                context.set_trailing_metadata((("why", "deferred"),))
+                context.abort(grpc.StatusCode.ABORTED, "deferred refusal")
+            if outcome == b"raise":
+                raise RuntimeError("answer failed")
+            return outcome
+
+        if request == b"done":
+            future.set_result(b"at once")
+        return grpc_unary.Deferred(future, answer)
+
 
 @pytest.fixture(params=["grpc", "serving-thread"])
 def path(request: pytest.FixtureRequest) -> Iterator[str]:
@@ -62,14 +86,14 @@ def path(request: pytest.FixtureRequest) -> Iterator[str]:
         assert grpc_unary.install()  # the node's path for the tests that follow
 
 
-@pytest.fixture
-def served(path: str) -> Iterator[tuple[_Handlers, grpc.Channel]]:
+@contextlib.contextmanager
+def _serving() -> Iterator[tuple[_Handlers, grpc.Channel]]:
     handlers = _Handlers()
     methods = {
         name: grpc.unary_unary_rpc_method_handler(
             getattr(handlers, name), request_deserializer=_deserialize
         )
-        for name in ("echo", "fail", "abort", "block")
+        for name in ("echo", "fail", "abort", "block", "later")
     }
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), maximum_concurrent_rpcs=1)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, methods),))
@@ -82,6 +106,21 @@ def served(path: str) -> Iterator[tuple[_Handlers, grpc.Channel]]:
         handlers.release.set()
         channel.close()
         server.stop(None).wait(10)
+
+
+@pytest.fixture
+def served(path: str) -> Iterator[tuple[_Handlers, grpc.Channel]]:
+    with _serving() as serving:
+        yield serving
+
+
+@pytest.fixture
+def deferring() -> Iterator[tuple[_Handlers, grpc.Channel]]:
+    """A server on the serving-thread path, the one that takes Deferred answers."""
+    assert grpc_unary.install()
+    assert grpc_unary.defers()
+    with _serving() as serving:
+        yield serving
 
 
 def _call(channel: grpc.Channel, method: str, payload: bytes, timeout: float = 10.0) -> bytes:
@@ -143,6 +182,55 @@ def test_the_active_call_count_goes_down_however_a_call_ends(
     late = _once_accepted(channel, "block", b"late", timeout=0.5)
     assert late[0] == grpc.StatusCode.DEADLINE_EXCEEDED
     handlers.release.set()  # the handler returns into a call that has ended
+    assert _once_accepted(channel, "echo", b"again") == b"again"
+
+
+def _complete_later(handlers: _Handlers, outcome: bytes) -> threading.Thread:
+    """Completes the next deferred call's future from a thread of its own."""
+
+    def complete() -> None:
+        assert handlers.entered.wait(10)
+        handlers.pending[-1].set_result(outcome)
+
+    thread = threading.Thread(target=complete, name="completer")
+    thread.start()
+    return thread
+
+
+def test_a_deferred_answer_leaves_from_the_thread_that_completes_it(
+    deferring: tuple[_Handlers, grpc.Channel],
+) -> None:
+    handlers, channel = deferring
+    completer = _complete_later(handlers, b"committed")
+    assert _call(channel, "later", b"x") == b"committed"
+    completer.join()
+    assert handlers.answered_on == ["completer"]
+    assert _once_accepted(channel, "later", b"done") == b"at once"  # done before returned
+
+
+def test_a_deferred_answer_keeps_statuses(deferring: tuple[_Handlers, grpc.Channel]) -> None:
+    handlers, channel = deferring
+    _complete_later(handlers, b"abort")
+    with pytest.raises(grpc.RpcError) as raised:
+        _call(channel, "later", b"x")
+    assert raised.value.code() == grpc.StatusCode.ABORTED
+    assert raised.value.details() == "deferred refusal"
+    assert ("why", "deferred") in tuple(raised.value.trailing_metadata())
+    handlers.entered.clear()
+    _complete_later(handlers, b"raise")
+    assert _once_accepted(channel, "later", b"x")[0] == grpc.StatusCode.UNKNOWN
+
+
+def test_a_deferred_call_counts_as_active_until_its_future_completes(
+    deferring: tuple[_Handlers, grpc.Channel],
+) -> None:
+    """The client gives up first (its deadline); the call stays active (the server's count
+    for maximum_concurrent_rpcs=1) until the future completes, and its answer is dropped."""
+    handlers, channel = deferring
+    late = _once_accepted(channel, "later", b"x", timeout=0.5)
+    assert late[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _code(channel, "echo", b"x")[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    handlers.pending[-1].set_result(b"too late")
     assert _once_accepted(channel, "echo", b"again") == b"again"
 
 
