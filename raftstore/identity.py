@@ -131,9 +131,12 @@ def check_and_record(
     recorded = Identity(
         alias, LAYOUT_VERSION, tuple(sorted({*identity.groups, *groups})), identity.created_ms
     )
-    for root in (ha_dir, persistence_dir):
-        ensure_dir(REAL_FILES, root, root=root)
-        checkpoint.write_atomic(root / IDENTITY_FILE, IDENTITY_KIND, recorded.to_json())
+    for root, on_disk in ((ha_dir, raft_identity), (persistence_dir, data_identity)):
+        # Rewritten only when it changes: a restart writes nothing here, so a node whose
+        # disk filled up still starts (its writes wait in doubt until space is freed).
+        if on_disk != recorded:
+            ensure_dir(REAL_FILES, root, root=root)
+            checkpoint.write_atomic(root / IDENTITY_FILE, IDENTITY_KIND, recorded.to_json())
 
 
 def _read(path: Path) -> Identity | None:

@@ -664,3 +664,59 @@ def test_a_read_that_finds_damage_is_answered_retryable_and_the_replica_repairs(
         timeout_s=60,
         message=f"{follower} repaired",
     )
+
+
+def test_a_node_whose_disk_filled_up_restarts_and_catches_up_once_space_is_freed(
+    tmp_path: Path,
+) -> None:
+    """Found by `tests.chaos.run random --seed 7101`: node3's small disk filled up under
+    the writers, then a kill-all; node3 crash-looped on ENOSPC, because every start
+    rewrote its identity file. Now a start with an unchanged identity writes nothing:
+    node3 starts on the full disk and stays up, not ready while its replay waits for
+    space, and catches up once the disk is grown."""
+    cluster = LocalCluster(tmp_path / "cluster", groups=(2,))
+    disk = faults.Tmpfs(cluster.persistence_dir("node3"), 2 * faults.MIB)
+    try:
+        disk.mount()
+    except faults.MountRefused as refused:
+        pytest.skip(f"no tmpfs here: {refused}")
+    try:
+        cluster.start()
+        cluster.create_table("full", SCHEMA, group=2)
+        session = session_for(cluster)
+        acknowledged: list[int] = []
+        publisher = Publisher(session, "full")
+
+        def publish(count: int) -> None:
+            first = len(acknowledged)
+            publisher.append(rows(first, count))
+            acknowledged.extend(range(first, first + count))
+
+        publish(2_000)
+        disk.fill()  # node3's disk full to the last block (ENOSPC)
+        for _ in range(5):  # node3 stays behind; the other two acknowledge
+            publish(2_000)
+        for alias in cluster.nodes:
+            cluster.kill(alias)
+        for alias in cluster.nodes:
+            cluster.start_node(alias, wait=False)
+        cluster.wait_node_ready("node1")
+        cluster.wait_node_ready("node2")
+        # node3 runs, its replay waiting for space: not ready (it cannot apply), no exit.
+        wait_until(
+            lambda: "apply stalled" in cluster.log_since_start("node3"),
+            timeout_s=60,
+            message="node3 started on its full disk",
+        )
+        publisher = Publisher(session, "full")
+        for _ in range(3):
+            publish(2_000)
+        verify.check_alive(cluster, cluster.nodes)
+        disk.free()  # grown, and the filler removed
+        cluster.wait_node_ready("node3")
+        _settle(cluster, {2: "full"})
+        _assert_every_replica_holds(cluster, "full", acknowledged)
+        session.close()
+    finally:
+        cluster.stop()
+        disk.unmount()
