@@ -114,13 +114,13 @@ class Batcher:
         while True:
             batch: list[tuple[commands.AppendItem, _Future]] = []
             with self._condition:
-                if not self._closed and not self._ready():
+                free = self._slot_free()  # also expires what is past its deadline
+                if not self._closed and not self._can_send(free):
                     self._condition.wait(timeout=0.1)
-                if self._in_flight:
-                    self._slot_free()  # expires what is past its deadline, queue or not
+                    free = self._slot_free()
                 expired, self._expired = self._expired, []
                 closed = self._closed
-                if not closed and self._ready():
+                if not closed and self._can_send(free):
                     # Publishes that arrived while every slot was busy join this entry.
                     batch = self._drain()
                     number = self._take_slot(batch)
@@ -132,9 +132,9 @@ class Batcher:
             if batch:
                 self._send_and_finish(number, batch)
 
-    def _ready(self) -> bool:
+    def _can_send(self, slot_free: bool) -> bool:
         """A proposal can be sent now (caller holds the condition)."""
-        return bool(self._queue) and not self._sending and self._slot_free()
+        return slot_free and bool(self._queue) and not self._sending
 
     def _take_slot(self, batch: list[tuple[commands.AppendItem, _Future]]) -> int:
         """A proposal number for `batch`, marked as being sent (caller holds the

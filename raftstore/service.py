@@ -95,31 +95,29 @@ def _abort(context: grpc.ServicerContext, error: RaftStoreError) -> None:
     context.abort(getattr(grpc.StatusCode, error.grpc_code), str(error))
 
 
-def _publish_answer(
-    context: grpc.ServicerContext, group: Group, pending: PendingPublish, started: float
-) -> pb.PublishResponse:
-    """The answer to a unary Publish once its entry is applied (or its typed error as the
-    call's status, as `unary` makes it): on the worker that waits for it, or deferred, on
-    the thread that applied the entry."""
-    try:
-        lsn, result = group.publish_outcome(pending)
-    except RaftStoreError as error:
-        _abort(context, error)
-        raise AssertionError("unreachable: abort raises") from error
+def _publish_answer(group: Group, pending: PendingPublish, started: float) -> pb.PublishResponse:
+    """The answer to a unary Publish once its entry is applied: on the worker that waits
+    for it, or deferred, on the thread that applied the entry. Raises its typed error."""
+    lsn, result = group.publish_outcome(pending)
     tracer = trace.current()
     if tracer.on:
         tracer.answered(lsn, started, trace.clock())
     return publish_response(lsn, result)
 
 
+def _answering(context: grpc.ServicerContext, answer: Callable[[], Response]) -> Response:
+    """`answer()`, its typed errors made the call's status and trailing metadata."""
+    try:
+        return answer()
+    except RaftStoreError as error:
+        _abort(context, error)
+        raise AssertionError("unreachable: abort raises") from error
+
+
 def unary(method: Callable[..., Response]) -> Callable[..., Response]:
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Response:
-        try:
-            return method(self, request, context)
-        except RaftStoreError as error:
-            _abort(context, error)
-            raise AssertionError("unreachable: abort raises") from error
+        return _answering(context, functools.partial(method, self, request, context))
 
     return wrapper
 
@@ -392,11 +390,13 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
         started = trace.clock()
         group = self._group_of(request.table, leader_only=True)
         pending = group.start_publish(item)
-        answer = functools.partial(_publish_answer, context, group, pending, started)
+        answer = functools.partial(_publish_answer, group, pending, started)
         if grpc_unary.defers():
             # Answered by the thread that applies the entry (the Raft tick's): no wake-up
             # of this worker between the commit and the answer.
-            return grpc_unary.Deferred(pending.future, answer)
+            return grpc_unary.Deferred(
+                pending.future, functools.partial(_answering, context, answer)
+            )
         return answer()
 
     @streaming
