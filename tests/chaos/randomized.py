@@ -8,7 +8,8 @@ creating (in group 2 or 3), dropping and appending to the tables `c0` and `c1`.
 Faults, one at a time in a random order with random pauses: kill -9 of one node or of all
 three, SIGSTOP/SIGCONT, SIGTERM + restart of one node or of all three, a restart under a
 low open-files limit (and back), and a full data disk on the node whose persistenceDir is
-a small tmpfs (8 MiB, grown when freed). After every fourth fault the run waits until the
+a small tmpfs (8 MiB, grown when freed, and before a fault whenever less than 8 MiB of it is
+free: only the disk-full fault fills it). After every fourth fault the run waits until the
 cluster is whole again (a barrier applied everywhere, groups healthy), so a stuck group is
 reported near the fault that caused it. Only the client threads, pysyncobj and the OS
 scheduler are not under the seed; the choice and order of faults and operations are.
@@ -43,6 +44,7 @@ from tests.chaos.workload import (
 GROUPS: Final = (2, 3)
 CHURN_NAMES: Final = ("c0", "c1")
 DISK_BYTES: Final = 8 * MIB
+DISK_HEADROOM_BYTES: Final = 8 * MIB  # node3's disk is grown when less is free (not a fault)
 FD_MARGIN_MIN: Final = 8
 FD_MARGIN_MAX: Final = 48
 WHOLE_EVERY_FAULTS: Final = 4  # then wait until the cluster is whole again
@@ -198,6 +200,7 @@ def run_random(
         cluster.start()
         setup(scenario)
         while time.monotonic() - started < duration_s:
+            scenario.keep_headroom(DISK_HEADROOM_BYTES)
             name = rng.choices(names, weights=weights)[0]
             scenario.note(f"fault {count + 1}: {name}")
             available[name][1](scenario)

@@ -169,6 +169,20 @@ class Scenario:
         disk.free()
         self.note(f"disk freed on {alias} (grown to {disk.size_bytes // MIB} MiB)")
 
+    def keep_headroom(self, headroom_bytes: int) -> None:
+        """Grow a disk that the workload itself has nearly filled, as an operator watching
+        it would: only the disk-full fault is meant to fill a disk. Without this a long run
+        whose faults never grew node3's small tmpfs fills it under the writers, and the node
+        then (rightly) stays unready until the end, which the run would report as stuck."""
+        for alias, disk in self.disks.items():
+            free = disk.free_bytes()
+            if free < headroom_bytes:
+                disk.resize(disk.size_bytes + headroom_bytes)
+                self.note(
+                    f"disk headroom on {alias}: {free} B free, grown to "
+                    f"{disk.size_bytes // MIB} MiB"
+                )
+
     # --- workload ---
 
     def create_table(self, name: str, group: int, *, keyed: bool) -> None:
