@@ -307,14 +307,18 @@ def bench_cluster(
     environment: dict[str, str] | None = None,
     hosts: dict[str, str] | None = None,
     launch_prefix: dict[str, tuple[str, ...]] | None = None,
+    groups: tuple[int, ...] = (HA_GROUP,),
+    parent: Path | None = None,
 ) -> Iterator[LocalCluster]:
-    """A three-node cluster under /tmp (the same disk as everything else on this machine),
+    """A three-node cluster under /tmp, or under `parent` (the same disk as everything else
+    on this machine), with the Raft `groups`, each with a leader when it is handed over;
     removed afterwards unless `keep`. `environment` goes to every node process (e.g.
     `tuning_environment`, for A/B measurements only). `hosts` and `launch_prefix` (alias ->
     address, command prefix) run the nodes elsewhere, e.g. in network namespaces."""
-    root = Path(tempfile.mkdtemp(prefix="hastream-bench-"))
+    root = Path(tempfile.mkdtemp(prefix="hastream-bench-", dir=parent))
     cluster = LocalCluster(
         root,
+        groups=groups,
         purge_interval_s=purge_interval_s,
         election_timeout_s=election_timeout_s,
         hosts=dict(hosts or {}),
@@ -324,7 +328,8 @@ def bench_cluster(
     failed = False
     try:
         cluster.start()
-        cluster.leader(HA_GROUP)
+        for group in groups:
+            cluster.leader(group)
         yield cluster
     except BaseException:
         failed = True  # keep the node logs for the post-mortem

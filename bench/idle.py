@@ -13,51 +13,51 @@ an idle cluster should take next to nothing.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 from bench import common
-from deploy.local_cluster import LocalCluster
 
 
-def measure(groups: int, seconds: float) -> dict[str, tuple[float, float]]:
-    """alias -> (cores, wake-ups per second) of each node over `seconds` of idleness."""
-    root = Path(tempfile.mkdtemp(prefix="hastream-idle-"))
-    cluster = LocalCluster(root, groups=tuple(range(2, 2 + groups)))
-    try:
-        cluster.start()
-        for group in cluster.groups:
-            cluster.leader(group)
+def measure(
+    groups: int, seconds: float, parent: Path | None = None
+) -> dict[str, tuple[float, float]]:
+    """alias -> (cores, wake-ups per second) of each node over `seconds` of idleness, on a
+    cluster made under `parent` (default: the system's temporary directory) and removed."""
+    raft_groups = tuple(range(common.HA_GROUP, common.HA_GROUP + groups))
+    with common.bench_cluster(
+        purge_interval_s=300.0, election_timeout_s=1.0, groups=raft_groups, parent=parent
+    ) as cluster:
         time.sleep(1.0)  # the first heartbeats and checkpoints after the elections settle
         pids = common.node_pids(cluster)
-        before = {alias: common.thread_counters(pid) for alias, pid in pids.items()}
+        before = {alias: _counters(pid) for alias, pid in pids.items()}
         started = time.perf_counter()
         time.sleep(seconds)  # the measurement itself: nothing else runs meanwhile
-        after = {alias: common.thread_counters(pid) for alias, pid in pids.items()}
+        after = {alias: _counters(pid) for alias, pid in pids.items()}
         wall_s = time.perf_counter() - started
-    finally:
-        cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
-    result = {}
-    for alias in pids:
-        cpu_s = switches = 0.0
-        for tid, counters in after[alias].items():
-            earlier = before[alias].get(tid)
-            if earlier is not None:
-                cpu_s += counters.cpu_s - earlier.cpu_s
-                switches += counters.switches - earlier.switches
-        result[alias] = (cpu_s / wall_s, switches / wall_s)
-    return result
+    return {
+        alias: (
+            (after[alias][0] - before[alias][0]) / wall_s,
+            (after[alias][1] - before[alias][1]) / wall_s,
+        )
+        for alias in pids
+    }
+
+
+def _counters(pid: int) -> tuple[float, int]:
+    """The process's CPU seconds and its live threads' context switches so far."""
+    return common.cpu_seconds(pid), common.context_switches([pid])
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.idle", description=__doc__)
     parser.add_argument("--groups", type=int, default=2, help="Raft groups (ids 2, 3, ...)")
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where the cluster's directory is made"
+    )
     args = parser.parse_args(argv)
-    result = measure(args.groups, args.seconds)
+    result = measure(args.groups, args.seconds, args.dir)
     code = common.code_version()
     print(f"idle cluster, {args.groups} Raft group(s), {args.seconds:g} s, code {code}")
     print("| node | CPU, cores | wake-ups per second |")

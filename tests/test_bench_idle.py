@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,10 @@ from bench import idle
 
 @pytest.mark.cluster
 def test_every_node_is_measured_and_the_cluster_is_removed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "clusters"))
     (tmp_path / "clusters").mkdir()
-    idle.main(["--groups", "2", "--seconds", "1"])
+    idle.main(["--groups", "2", "--seconds", "1", "--dir", str(tmp_path / "clusters")])
     assert list((tmp_path / "clusters").iterdir()) == []
     out = capsys.readouterr().out
     assert out.startswith("idle cluster, 2 Raft group(s), 1 s, code ")
