@@ -41,11 +41,11 @@ META (written once atomically; names the buffer's producer, table and table sche
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Final
 
 from hastream import wire
+from hastream.checksum import crc32
 
 RECORD_MAGIC: Final = b"HSBR"
 COMMIT_MAGIC: Final = b"HSBC"
@@ -111,7 +111,7 @@ def encode_record(
         producer_id,
         created_ms,
     )
-    crc = zlib.crc32(payload, zlib.crc32(head))
+    crc = crc32(payload, crc32(head))
     record = b"".join((head, _CRC.pack(crc), payload))
     # Pair assertion: what we are about to write reads back as itself.
     assert decode_header(record[:RECORD_HEADER_BYTES]).sequence == sequence
@@ -143,7 +143,7 @@ def decode_header(data: bytes | memoryview) -> RecordHeader:
 def check_record(header_bytes: bytes | memoryview, payload: bytes | memoryview) -> None:
     """Raises FormatError unless the CRC over header and payload matches."""
     expected = _CRC.unpack_from(header_bytes, _RECORD_HEADER.size)[0]
-    actual = zlib.crc32(payload, zlib.crc32(header_bytes[: _RECORD_HEADER.size]))
+    actual = crc32(payload, crc32(header_bytes[: _RECORD_HEADER.size]))
     if actual != expected:
         raise FormatError(f"crc32 mismatch: stored {expected:#010x}, computed {actual:#010x}")
 
@@ -152,7 +152,7 @@ def encode_commit(sequence: int, producer_id: bytes) -> bytes:
     if sequence < 0:
         raise ValueError(f"sequence must be >= 0, got {sequence}")
     body = _COMMIT_BODY.pack(COMMIT_MAGIC, VERSION, sequence, producer_id)
-    return body + _CRC.pack(zlib.crc32(body))
+    return body + _CRC.pack(crc32(body))
 
 
 def decode_commit(data: bytes) -> tuple[int, bytes]:
@@ -160,7 +160,7 @@ def decode_commit(data: bytes) -> tuple[int, bytes]:
     if len(data) != COMMIT_BYTES:
         raise FormatError(f"COMMIT is {len(data)} bytes, expected {COMMIT_BYTES}")
     body = data[: _COMMIT_BODY.size]
-    if zlib.crc32(body) != _CRC.unpack_from(data, _COMMIT_BODY.size)[0]:
+    if crc32(body) != _CRC.unpack_from(data, _COMMIT_BODY.size)[0]:
         raise FormatError("COMMIT crc32 mismatch")
     magic, version, sequence, producer_id = _COMMIT_BODY.unpack(body)
     if magic != COMMIT_MAGIC or version != VERSION:
@@ -178,7 +178,7 @@ def encode_meta(producer_id: bytes, table: str, schema_ipc: bytes) -> bytes:
             schema_ipc,
         )
     )
-    return body + _CRC.pack(zlib.crc32(body))
+    return body + _CRC.pack(crc32(body))
 
 
 def decode_meta(data: bytes) -> tuple[bytes, str, bytes]:
@@ -186,7 +186,7 @@ def decode_meta(data: bytes) -> tuple[bytes, str, bytes]:
     if len(data) < _META_HEAD.size + _U32.size + _CRC.size:
         raise FormatError(f"META is too short ({len(data)} bytes)")
     body = data[: -_CRC.size]
-    if zlib.crc32(body) != _CRC.unpack_from(data, len(body))[0]:
+    if crc32(body) != _CRC.unpack_from(data, len(body))[0]:
         raise FormatError("META crc32 mismatch")
     magic, version, producer_id, name_len = _META_HEAD.unpack_from(body)
     if magic != META_MAGIC or version != VERSION:

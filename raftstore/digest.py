@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import logging
 import struct
-import zlib
 from collections import Counter
 from typing import Final
 
+from hastream.checksum import crc32
 from hastream.errors import RaftStoreError
 from hastream.model import NodeAddress, TableDigest
 from raftstore import limits
@@ -48,8 +48,8 @@ def table_digest(store: TableStore, offset_from: int, offset_to: int) -> TableDi
     for record in store.records(offset_from, offset_to):
         if records == 0:
             first = record.first_offset
-        header = _RECORD.pack(record.first_offset, record.row_count, zlib.crc32(record.payload))
-        digest = zlib.crc32(header, digest)
+        header = _RECORD.pack(record.first_offset, record.row_count, crc32(record.payload))
+        digest = crc32(header, digest)
         records += 1
         last = record.first_offset + record.row_count
         if last >= offset_to:

@@ -42,11 +42,11 @@ failed). Callers that know the file add the file and the record's position
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from hastream.checksum import crc32
 from raftstore import limits
 
 RECORD_MAGIC: Final = b"HSDR"
@@ -140,7 +140,7 @@ def encode_record(
     assert timestamp_ms <= _I64_MAX, timestamp_ms
     assert payload_len <= limits.RECORD_BYTES_MAX, payload_len
     assert not isinstance(payload, memoryview) or payload.contiguous
-    payload_crc = zlib.crc32(payload)
+    payload_crc = crc32(payload)
     fields = _RECORD_FIELDS.pack(
         RECORD_MAGIC,
         RECORD_VERSION,
@@ -153,7 +153,7 @@ def encode_record(
         timestamp_ms,
         payload_crc,
     )
-    header = fields + _CRC.pack(zlib.crc32(fields))
+    header = fields + _CRC.pack(crc32(fields))
     # Pair assertion: what we write must read back as what we meant.
     assert decode_header(header) == RecordHeader(
         lsn, first_offset, row_count, timestamp_ms, payload_len, payload_crc
@@ -187,7 +187,7 @@ def decode_header(data: bytes | memoryview) -> RecordHeader:
     if version != RECORD_VERSION:
         raise BadVersion(f"unsupported record version {version}", 4)
     (header_crc,) = _CRC.unpack_from(data, _RECORD_FIELDS.size)
-    header_crc_actual = zlib.crc32(memoryview(data)[: _RECORD_FIELDS.size])
+    header_crc_actual = crc32(memoryview(data)[: _RECORD_FIELDS.size])
     if header_crc != header_crc_actual:
         raise BadChecksum(
             f"header crc {header_crc:#010x} != computed {header_crc_actual:#010x}",
@@ -210,7 +210,7 @@ def check_payload(header: RecordHeader, payload: bytes | memoryview) -> None:
     size = _nbytes(payload)
     if size != header.payload_len:
         raise TruncatedRecord(f"payload has {size} bytes, header says {header.payload_len}")
-    payload_crc = zlib.crc32(payload)
+    payload_crc = crc32(payload)
     if payload_crc != header.payload_crc:
         raise BadChecksum(
             f"payload crc {payload_crc:#010x} != header {header.payload_crc:#010x}", HEADER_SIZE
@@ -243,11 +243,11 @@ def frame_header(kind: bytes, body: Sequence[bytes | memoryview]) -> bytes:
     assert len(kind) == 4, kind
     body_crc = 0
     for part in body:
-        body_crc = zlib.crc32(part, body_crc)
+        body_crc = crc32(part, body_crc)
     body_len = parts_nbytes(body)
     assert body_len <= _U64_MAX
     fields = _FRAME_FIELDS.pack(FRAME_MAGIC, kind, FRAME_VERSION, body_len, body_crc)
-    return fields + _CRC.pack(zlib.crc32(fields))
+    return fields + _CRC.pack(crc32(fields))
 
 
 def decode_frame(data: bytes | memoryview, kind: bytes) -> bytes:
@@ -264,7 +264,7 @@ def decode_frame(data: bytes | memoryview, kind: bytes) -> bytes:
         raise BadVersion(f"unsupported frame version {version}", 8)
     view = memoryview(data)
     (header_crc,) = _CRC.unpack_from(data, _FRAME_FIELDS.size)
-    header_crc_actual = zlib.crc32(view[: _FRAME_FIELDS.size])
+    header_crc_actual = crc32(view[: _FRAME_FIELDS.size])
     if header_crc != header_crc_actual:
         raise BadChecksum(
             f"frame header crc {header_crc:#010x} != computed {header_crc_actual:#010x}",
@@ -280,7 +280,7 @@ def decode_frame(data: bytes | memoryview, kind: bytes) -> bytes:
             FRAME_HEADER_SIZE + body_len,
         )
     body = view[FRAME_HEADER_SIZE:]
-    body_crc_actual = zlib.crc32(body)
+    body_crc_actual = crc32(body)
     if body_crc != body_crc_actual:
         raise BadChecksum(
             f"frame body crc {body_crc_actual:#010x} != header {body_crc:#010x}",

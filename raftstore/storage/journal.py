@@ -67,12 +67,12 @@ import os
 import queue
 import struct
 import threading
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from hastream.checksum import crc32
 from hastream.errors import CorruptionError
 from raftstore import limits, trace
 from raftstore.storage import checkpoint
@@ -106,7 +106,7 @@ Entry = tuple[bytes, int, int]  # (command, idx, term): pysyncobj's journal entr
 
 def _encode_record(command: bytes, idx: int, term: int) -> tuple[bytes, bytes]:
     covered = _CRC_COVERED.pack(len(command), idx, term)
-    crc = zlib.crc32(command, zlib.crc32(covered))
+    crc = crc32(command, crc32(covered))
     return struct.pack("<I", crc) + covered, command
 
 
@@ -390,7 +390,7 @@ class DurableJournal:
         start = position + _RECORD_HEADER.size
         if start + length > len(view):
             return f"record of {length} bytes runs past end of file"
-        computed = zlib.crc32(view[start : start + length], zlib.crc32(view[position + 4 : start]))
+        computed = crc32(view[start : start + length], crc32(view[position + 4 : start]))
         if computed != crc:
             return f"crc mismatch stored={crc:#x} computed={computed:#x}"
         if self._indexes and idx != self._indexes[-1] + 1:
@@ -580,7 +580,7 @@ class DurableJournal:
         for i in range(first, stop):
             crc, length, idx, term = _RECORD_HEADER.unpack_from(view, offset)
             body = offset + _RECORD_HEADER.size
-            computed = zlib.crc32(view[body : body + length], zlib.crc32(view[offset + 4 : body]))
+            computed = crc32(view[body : body + length], crc32(view[offset + 4 : body]))
             if (crc, idx, term) != (computed, self._indexes[i], self._terms[i]):
                 raise CorruptionError(
                     str(segment.path),
