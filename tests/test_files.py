@@ -13,7 +13,7 @@ import sys
 import tempfile
 import textwrap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from deploy.local_cluster import wait_until
+from hastream.wire import MIB
 from raftstore.storage.files import (
     FILE_MODE,
     PAGE_BYTES,
@@ -172,6 +173,13 @@ class SimFilesLikeRealFiles(RuleBasedStateMachine):
             self._both_fd(index, lambda files, fd: files.fdatasync(fd))
         else:
             self._both_fd(index, lambda files, fd: files.fsync(fd))
+
+    @precondition(lambda self: self.fds)
+    @rule(index=st.integers(0, 100), position=st.integers(0, 50), length=st.integers(0, 9000))
+    def preallocate(self, index: int, position: int, length: int) -> None:
+        # Nothing a read sees: the size and bytes stay (the invariant compares the trees),
+        # and neither raises, whatever the fd was opened for.
+        self._both_fd(index, lambda files, fd: files.preallocate(fd, position, length))
 
     @precondition(lambda self: self.fds)
     @rule(index=st.integers(0, 100), size=st.integers(0, 40))
@@ -623,3 +631,72 @@ def test_real_drop_cached_keeps_the_bytes_and_names_a_bad_fd(tmp_path: Path) -> 
     if hasattr(os, "posix_fadvise"):
         with pytest.raises(OSError, match="Bad file descriptor"):
             REAL_FILES.drop_cached(fd, 0, PAGE_BYTES)
+
+
+def test_real_preallocate_allocates_past_the_end_and_keeps_the_size(tmp_path: Path) -> None:
+    path = tmp_path / "segment"
+    fd = os.open(path, APPEND, FILE_MODE)
+    try:
+        os.write(fd, b"head")
+        blocks_before = os.fstat(fd).st_blocks
+        REAL_FILES.preallocate(fd, 4, 1024 * 1024)
+        stat = os.fstat(fd)
+        assert stat.st_size == 4  # an O_APPEND write still lands right after the head
+        if sys.platform == "linux":
+            assert stat.st_blocks * 512 >= blocks_before * 512 + 1024 * 1024
+        write_all(REAL_FILES, fd, [b"x" * 100_000])
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"head" + b"x" * 100_000
+    REAL_FILES.preallocate(fd, 0, 4096)  # a closed fd: advisory, nothing raised
+
+
+@contextlib.contextmanager
+def _small_ext4(directory: Path, size_bytes: int) -> Iterator[Path]:
+    """An ext4 file system of `size_bytes` in an image file, loop-mounted (root only)."""
+    image, mount = directory / "ext4.img", directory / "ext4"
+    mount.mkdir()
+    with image.open("wb") as file:
+        file.truncate(size_bytes)
+    for command in (
+        ["mkfs.ext4", "-q", "-F", str(image)],
+        ["mount", "-o", "loop", str(image), str(mount)],
+    ):
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+        except FileNotFoundError:
+            pytest.skip(f"{command[0]} is not installed")
+        if result.returncode != 0:
+            pytest.skip(f"cannot make a small ext4 ({' '.join(command)}): {result.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False, capture_output=True)
+
+
+def _free_bytes(path: Path) -> int:
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+def test_a_preallocation_the_disk_cannot_hold_gives_back_what_it_took(tmp_path: Path) -> None:
+    # ext4 keeps the blocks a failed fallocate found, past the end of the file.
+    with _small_ext4(tmp_path, 8 * MIB) as disk:
+        path = disk / "segment"
+        fd = os.open(path, APPEND, FILE_MODE)
+        try:
+            write_all(REAL_FILES, fd, [b"h" * 100])
+            os.fdatasync(fd)  # its block allocated: the free count below is settled
+            free = _free_bytes(disk)
+            REAL_FILES.preallocate(fd, 100, 64 * MIB)  # ENOSPC, swallowed
+            # Given back, but for a block of the file's extent tree that ext4 keeps (without
+            # the truncate the disk stays full: free 0).
+            assert _free_bytes(disk) >= free - 64 * 1024, (free, _free_bytes(disk))
+            assert os.fstat(fd).st_size == 100
+            write_all(REAL_FILES, fd, [b"y" * (free // 2)])  # what fits still fits
+            with pytest.raises(OSError, match="No space left"):  # the append reports it
+                write_all(REAL_FILES, fd, [b"z" * free])
+        finally:
+            os.close(fd)
+        assert path.read_bytes()[:100] == b"h" * 100

@@ -37,7 +37,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Final, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from raftstore import limits
 
@@ -49,6 +49,9 @@ _T = TypeVar("_T")
 FILE_MODE: Final = 0o644
 # The page cache's unit: `drop_cached` forgets whole pages only.
 PAGE_BYTES: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# Appends of at least this many bytes have their blocks allocated first (`preallocate`):
+# below it the saving is smaller than the extra system call.
+PREALLOCATE_BYTES_MIN: Final = 64 * 1024
 
 
 class Files(Protocol):
@@ -97,6 +100,18 @@ class Files(Protocol):
         fault in the host each (a 12.7 MB write: ~25 ms into fresh pages, ~3.5 ms into
         recycled ones, here). Durability is unchanged: only clean pages are dropped."""
 
+    def preallocate(self, fd: int, position: int, length: int, /) -> None:
+        """Allocate the file's blocks for [position, position + length) without changing
+        its size (`fallocate(FALLOC_FL_KEEP_SIZE)`), right before the append that fills
+        them. ext4 then maps the range once, where an append into unallocated space reserves
+        every page for delayed allocation and allocates at writeback: 60 MB appended in
+        600 KB writes took 16.6 ms of CPU, 13.2 ms with each write's range allocated first
+        (this VM, fdatasync every second write). Advisory: a failure (the disk filling up, a
+        file system without fallocate) is ignored, and what it allocated of the range is
+        given back; the append then meets the same condition and reports it. Nothing a read
+        or a power loss sees changes: the size is the appends'. Callers append to the file
+        from one thread only."""
+
     def ftruncate(self, fd: int, size: int, /) -> None: ...
 
     def size(self, fd: int, /) -> int:
@@ -135,16 +150,25 @@ def _fstat_size(fd: int, /) -> int:
     return os.fstat(fd).st_size
 
 
-def _libc_sync_file_range() -> Callable[[int], None] | None:
-    """`sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)` through ctypes (Linux; os has no
-    binding), or None where libc lacks it."""
+def _libc_function(name: str, *argtypes: Any) -> Any:
+    """libc's `name` through ctypes (os has no binding), returning an int and setting
+    errno, or None where libc lacks it."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        function = libc.sync_file_range
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.argtypes = argtypes
     function.restype = ctypes.c_int
+    return function
+
+
+def _libc_sync_file_range() -> Callable[[int], None] | None:
+    """`sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)`, or None where libc lacks it."""
+    function = _libc_function(
+        "sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint
+    )
+    if function is None:
+        return None
 
     def start_writeback(fd: int, /) -> None:
         if function(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
@@ -156,6 +180,34 @@ def _libc_sync_file_range() -> Callable[[int], None] | None:
 
 def _no_writeback(fd: int, /) -> None:
     """Where sync_file_range is missing: the fsync does all the work, as before."""
+
+
+_FALLOC_FL_KEEP_SIZE: Final = 0x01
+
+
+def _libc_fallocate() -> Callable[[int, int, int], None] | None:
+    """`Files.preallocate` through libc's fallocate (os.posix_fallocate cannot keep the
+    size), or None where libc lacks it."""
+    function = _libc_function(
+        "fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64
+    )
+    if function is None:
+        return None
+
+    def preallocate(fd: int, position: int, length: int, /) -> None:
+        if function(fd, _FALLOC_FL_KEEP_SIZE, position, length) != 0:
+            # On ENOSPC ext4 keeps what it did allocate past the end of the file, where no
+            # append reaches and a hole punch does not (it stops at the size): truncating to
+            # the file's own size gives it back, and changes no byte. (Only this thread
+            # appends to the file, so the size cannot move in between.)
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, os.fstat(fd).st_size)
+
+    return preallocate
+
+
+def _no_preallocation(fd: int, position: int, length: int, /) -> None:
+    """Where fallocate is missing: appends allocate as they go, as before."""
 
 
 def page_floor(position: int) -> int:
@@ -221,6 +273,7 @@ class RealFiles:
     fdatasync = staticmethod(os.fdatasync)
     start_writeback = staticmethod(_libc_sync_file_range() or _no_writeback)
     drop_cached = staticmethod(_fadvise_dont_need if hasattr(os, "posix_fadvise") else _keep_cached)
+    preallocate = staticmethod(_libc_fallocate() or _no_preallocation)
     ftruncate = staticmethod(os.ftruncate)
     size = staticmethod(_fstat_size)
     replace = staticmethod(os.replace)
@@ -264,6 +317,13 @@ def read_all(files: Files, fd: int) -> bytes:
 
 # writev refuses (EINVAL) more buffers than this at once.
 IOV_MAX: Final = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def allocate_for_append(files: Files, fd: int, position: int, size: int) -> None:
+    """`Files.preallocate` the range an append of `size` bytes at `position` (the end of
+    the file) is about to fill, when it is large enough to pay (PREALLOCATE_BYTES_MIN)."""
+    if size >= PREALLOCATE_BYTES_MIN:
+        files.preallocate(fd, position, size)
 
 
 def write_all(files: Files, fd: int, buffers: Sequence[Buffer]) -> None:
@@ -903,6 +963,10 @@ class SimFiles:
         self._handle_or_badf(fd)
         if position < 0 or length < 0:
             raise _error(errno.EINVAL)
+
+    def preallocate(self, fd: int, position: int, length: int, /) -> None:
+        """Changes nothing a read or a power loss sees, and fails silently as the real one
+        does: not an operation of the fault plan (its disk-full faults hit the append)."""
 
     def _sync(self, fd: int) -> None:
         node = self._handle(fd).node

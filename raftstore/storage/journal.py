@@ -80,6 +80,7 @@ from raftstore.storage.files import (
     FILE_MODE,
     REAL_FILES,
     Files,
+    allocate_for_append,
     drop_behind,
     ensure_dir,
     page_floor,
@@ -467,6 +468,7 @@ class DurableJournal:
         position = segment.end
         started = trace.clock()
         header, body = _encode_record(command, idx, term)
+        allocate_for_append(self._files, segment.fd, position, len(header) + len(body))
         try:
             write_all(self._files, segment.fd, [header, body])
         except OSError as error:

@@ -60,6 +60,7 @@ from raftstore.storage.files import (
     Files,
     OpenFiles,
     Writeback,
+    allocate_for_append,
     ensure_dir,
 )
 from raftstore.storage.format import HEADER_SIZE, FormatError, RecordHeader
@@ -308,6 +309,7 @@ class TableLog:
         if handle is None:
             handle = self._handle(active)
         handle.used = True
+        allocate_for_append(self._files, handle.fd, active.size, header.record_size)
         try:
             _write_all(self._files, handle.fd, parts, header.record_size)
         except OSError:
