@@ -195,11 +195,14 @@ def _libc_fallocate() -> Callable[[int, int, int], None] | None:
         return None
 
     def preallocate(fd: int, position: int, length: int, /) -> None:
-        if function(fd, _FALLOC_FL_KEEP_SIZE, position, length) != 0:
-            # On ENOSPC ext4 keeps what it did allocate past the end of the file, where no
-            # append reaches and a hole punch does not (it stops at the size): truncating to
-            # the file's own size gives it back, and changes no byte. (Only this thread
-            # appends to the file, so the size cannot move in between.)
+        if function(fd, _FALLOC_FL_KEEP_SIZE, position, length) == 0:
+            return
+        if ctypes.get_errno() == errno.ENOSPC:
+            # ext4 keeps what it did allocate past the end of the file, where no append
+            # reaches and a hole punch does not (it stops at the size): truncating to the
+            # file's own size gives it back, and changes no byte. (Only this thread appends
+            # to the file, so the size cannot move in between.) Other errors (a file system
+            # without fallocate) allocated nothing.
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, os.fstat(fd).st_size)
 
