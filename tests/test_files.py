@@ -38,6 +38,7 @@ from raftstore.storage.files import (
     read_file,
     write_all,
 )
+from tests.chaos.faults import free_bytes
 
 pytestmark = pytest.mark.storage
 
@@ -675,11 +676,6 @@ def _small_ext4(directory: Path, size_bytes: int) -> Iterator[Path]:
         subprocess.run(["umount", str(mount)], check=False, capture_output=True)
 
 
-def _free_bytes(path: Path) -> int:
-    stat = os.statvfs(path)
-    return stat.f_bavail * stat.f_frsize
-
-
 def test_a_preallocation_the_disk_cannot_hold_gives_back_what_it_took(tmp_path: Path) -> None:
     # ext4 keeps the blocks a failed fallocate found, past the end of the file.
     with _small_ext4(tmp_path, 8 * MIB) as disk:
@@ -688,11 +684,11 @@ def test_a_preallocation_the_disk_cannot_hold_gives_back_what_it_took(tmp_path: 
         try:
             write_all(REAL_FILES, fd, [b"h" * 100])
             os.fdatasync(fd)  # its block allocated: the free count below is settled
-            free = _free_bytes(disk)
+            free = free_bytes(disk)
             REAL_FILES.preallocate(fd, 100, 64 * MIB)  # ENOSPC, swallowed
             # Given back, but for a block of the file's extent tree that ext4 keeps (without
             # the truncate the disk stays full: free 0).
-            assert _free_bytes(disk) >= free - 64 * 1024, (free, _free_bytes(disk))
+            assert free_bytes(disk) >= free - 64 * 1024, (free, free_bytes(disk))
             assert os.fstat(fd).st_size == 100
             write_all(REAL_FILES, fd, [b"y" * (free // 2)])  # what fits still fits
             with pytest.raises(OSError, match="No space left"):  # the append reports it

@@ -57,8 +57,7 @@ class Tmpfs:
         self.size_bytes = size_bytes
 
     def free_bytes(self) -> int:
-        stat = os.statvfs(self.path)
-        return stat.f_bavail * stat.f_frsize
+        return free_bytes(self.path)
 
     def fill(self) -> int:
         """Write zeros into the filler file until ENOSPC; returns the bytes written."""
@@ -89,6 +88,12 @@ class Tmpfs:
         if self.mounted:
             subprocess.run(["umount", "-l", str(self.path)], check=False, capture_output=True)
             self.mounted = False
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still write on the file system holding `path`."""
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
 
 
 def _run_mount(command: list[str]) -> None:
