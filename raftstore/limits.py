@@ -92,6 +92,9 @@ DATA_WRITEBACK_BYTES: Final = 4 * MIB
 # A journal lets the page cache forget what its fdatasyncs made durable once this much has
 # gathered (storage/files.py Files.drop_cached: the next writes reuse those pages).
 JOURNAL_DROP_BEHIND_BYTES: Final = 1 * MIB
+# The online scrub's share of one core (scrub.py): it waits between records to stay under
+# it, whatever its byte rate (streamingScrubRate) would allow.
+SCRUB_CPU_SHARE_MAX: Final = 0.02
 # Data files waiting for the writeback thread to start their writeback; beyond it a request
 # is dropped (the checkpoint's fsync does that file's work).
 WRITEBACK_QUEUE_MAX: Final = 256

@@ -5,8 +5,11 @@ node restarts. The scrub reads each record through the same checked path readers
 header against the index, the header CRC, the payload CRC); damage is reported to the
 group's applier, which moves the table aside and repairs it from a peer (apply.py).
 
-The rate (`streamingScrubRate`, MB/s) bounds the scrub's share of the disk; a pass over all
-tables is followed by a pause. Runs on one thread the node owns (`run`).
+The rate (`streamingScrubRate`, MB/s) bounds the scrub's share of the disk, and
+SCRUB_CPU_SHARE_MAX its share of a core: a record costs Python work however small it is
+(7.5 us for a one-row record on a 2-core VM), so a table of small records read at 8 MB/s
+alone would keep 40% of a core busy, and hold the GIL the Raft thread waits for. A pass over
+all tables is followed by a pause. Runs on one thread the node owns (`run`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from hastream.errors import CorruptionError, RaftStoreError
+from raftstore import limits
 from raftstore.group import Group
 from raftstore.tables import TableStore
 
@@ -26,8 +30,54 @@ log = logging.getLogger(__name__)
 
 # Pause between passes, and the first pass's delay after start (let replay finish first).
 PASS_PAUSE_S: Final = 10.0
-# Bytes read between rate checks.
+# Bytes, and records, read between two looks at the pace (one look reads two clocks).
 _CHUNK_BYTES: Final = 1 << 20
+_CHUNK_RECORDS: Final = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """The scrub's two bounds: bytes read per second and the share of one core it uses."""
+
+    rate_bytes_s: float
+    cpu_share: float
+
+    def wait_s(self, read_bytes: int, cpu_s: float, elapsed_s: float) -> float:
+        """How long to wait now so that, counted from the start of the work, neither
+        `read_bytes` nor `cpu_s` is ahead of its bound."""
+        return max(
+            0.0, read_bytes / self.rate_bytes_s - elapsed_s, cpu_s / self.cpu_share - elapsed_s
+        )
+
+
+class _PassClock:
+    """One pass's work so far against its Pace: counted across tables, so that a thousand
+    small tables are paced like one big one. Used by the scrub thread only."""
+
+    __slots__ = ("_cpu_started", "_pace", "_read", "_started", "_unchecked", "_unchecked_bytes")
+
+    def __init__(self, pace: Pace) -> None:
+        self._pace = pace
+        self._started = time.monotonic()
+        self._cpu_started = time.thread_time()  # this thread's CPU, system calls included
+        self._read = self._unchecked = self._unchecked_bytes = 0
+
+    def charge(self, payload_bytes: int) -> float:
+        """Counts one record read; the seconds to wait now (0 between looks at the pace)."""
+        self._read += payload_bytes
+        self._unchecked += 1
+        self._unchecked_bytes += payload_bytes
+        if self._unchecked < _CHUNK_RECORDS and self._unchecked_bytes < _CHUNK_BYTES:
+            return 0.0
+        self._unchecked = self._unchecked_bytes = 0
+        return self._pace.wait_s(
+            self._read,
+            time.thread_time() - self._cpu_started,
+            time.monotonic() - self._started,
+        )
+
+    def cpu_s(self) -> float:
+        return time.thread_time() - self._cpu_started
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +95,16 @@ class Scrubber:
         rate_mb_s: float,
         *,
         pause_s: float = PASS_PAUSE_S,
+        cpu_share: float = limits.SCRUB_CPU_SHARE_MAX,
     ) -> None:
         assert rate_mb_s > 0, rate_mb_s
+        assert 0 < cpu_share <= 1, cpu_share
         self._groups = groups
-        self._rate_bytes_s = rate_mb_s * 1_000_000
+        self._pace = Pace(rate_mb_s * 1_000_000, cpu_share)
         self._pause_s = pause_s
         self._lock = threading.Lock()
         self.passes = 0
+        self.cpu_s = 0.0  # the scrub thread's CPU over the passes it finished
         self.bytes_verified = 0
         self.records_verified = 0
         self.findings: list[ScrubFinding] = []  # the newest few
@@ -59,31 +112,31 @@ class Scrubber:
 
     def run(self, stopping: threading.Event) -> None:  # the scrub loop: runs until stopping
         while not stopping.wait(self._pause_s):
+            clock = _PassClock(self._pace)
             for group in self._groups():
                 for store in group.applier.stores():
                     if stopping.is_set():
                         return
-                    self._scrub(group, store, stopping)
+                    self._scrub(group, store, clock, stopping)
             with self._lock:
                 self.passes += 1
+                self.cpu_s += clock.cpu_s()
                 self._current = ""
 
-    def _scrub(self, group: Group, store: TableStore, stopping: threading.Event) -> None:
+    def _scrub(
+        self, group: Group, store: TableStore, clock: _PassClock, stopping: threading.Event
+    ) -> None:
         table = store.meta.table
         with self._lock:
             self._current = f"{group.group_id}/{table}"
-        started = time.monotonic()
-        read = 0
         try:
             for record in store.records(store.earliest_offset, store.row_count):
-                read += len(record.payload)
                 with self._lock:
                     self.bytes_verified += len(record.payload)
                     self.records_verified += 1
-                if read % _CHUNK_BYTES < len(record.payload):  # about once per MiB
-                    ahead_s = read / self._rate_bytes_s - (time.monotonic() - started)
-                    if ahead_s > 0 and stopping.wait(ahead_s):
-                        return
+                wait_s = clock.charge(len(record.payload))
+                if wait_s > 0 and stopping.wait(wait_s):
+                    return
         except CorruptionError as error:
             log.error("scrub found damage group=%d table=%s: %s", group.group_id, table, error)
             finding = ScrubFinding(group.group_id, table, str(error), int(time.time() * 1000))
@@ -97,8 +150,10 @@ class Scrubber:
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {
-                "rate_mb_s": self._rate_bytes_s / 1_000_000,
+                "rate_mb_s": self._pace.rate_bytes_s / 1_000_000,
+                "cpu_share_max": self._pace.cpu_share,
                 "passes": self.passes,
+                "cpu_s": round(self.cpu_s, 3),
                 "bytes_verified": self.bytes_verified,
                 "records_verified": self.records_verified,
                 "current": self._current,
