@@ -7,8 +7,8 @@ group's applier, which moves the table aside and repairs it from a peer (apply.p
 
 The rate (`streamingScrubRate`, MB/s) bounds the scrub's share of the disk, and
 SCRUB_CPU_SHARE_MAX its share of a core: a record costs Python work however small it is
-(7.5 us for a one-row record on a 2-core VM), so a table of small records read at 8 MB/s
-alone would keep 40% of a core busy, and hold the GIL the Raft thread waits for. A pass over
+(7.5 us for a one-row record on a 2-core VM), so a table of 152-byte records read at 8 MB/s
+would alone keep 40% of a core busy, and hold the GIL the Raft thread waits for. A pass over
 all tables is followed by a pause. Runs on one thread the node owns (`run`).
 """
 
