@@ -6,8 +6,11 @@ each group's leader asks every replica for a digest of each table over the same 
 the spirit of CockroachDB's replica consistency checker:
 
 1. every replica reports its retained range [earliest, row_count);
-2. the leader picks rows every replica holds, the newest `DIGEST_ROWS_MAX` of them (rows
-   are immutable once written, so replicas that keep appending still agree on them);
+2. the leader picks rows every replica holds, the newest `DIGEST_ROWS_MAX` of them, and of
+   those no more than its own newest `DIGEST_RECORDS_MAX` records hold (a record costs a
+   read and Python work however few rows it has: a million one-row records are seconds of
+   CPU on every replica). Rows are immutable once written, so replicas that keep appending
+   still agree on them;
 3. each replica digests the records covering those rows: (first_offset, row_count,
    crc32(payload)) of each, in order. Records are the same on every replica (apply writes
    them deterministically and repair copies them byte for byte);
@@ -92,7 +95,10 @@ class DigestChecker:
         offset_to = min(span.row_count for span in ranges.values())
         offset_from = max(
             [span.earliest_offset for span in ranges.values()]
-            + [offset_to - limits.DIGEST_ROWS_MAX]
+            + [
+                offset_to - limits.DIGEST_ROWS_MAX,
+                store.newest_records_offset(limits.DIGEST_RECORDS_MAX),
+            ]
         )
         if offset_to <= offset_from:
             return

@@ -191,6 +191,10 @@ class TableStore:
             batch = pa.ipc.read_record_batch(pa.py_buffer(record.payload), schema)
             yield RowSlice(record.first_offset, batch, record.timestamp_ms)
 
+    def newest_records_offset(self, count: int) -> int:
+        """See TableLog.newest_records_offset."""
+        return self.log.newest_records_offset(count)
+
     def offset_for_time(self, timestamp_ms: int) -> tuple[int, int] | None:
         """The first retained row stamped at or after `timestamp_ms` and its stamp; None when
         every retained row is older (see TableLog.offset_for_time)."""

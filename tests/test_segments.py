@@ -102,6 +102,19 @@ def test_append_and_read_across_segment_rolls(table_dir: Path) -> None:
     log.close()
 
 
+def test_the_newest_records_offset_counts_records_back_across_segments(table_dir: Path) -> None:
+    # What bounds a replica digest by records (digest.py): the rows from there on fill at
+    # most that many records.
+    log = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
+    _append(log, 10)  # records at 0, 10, ..., 90; three to a segment
+    counts = (1, 3, 4, 9, 10, 11, 1000)
+    assert [log.newest_records_offset(n) for n in counts] == [90, 70, 60, 10, 0, 0, 0]
+    removed = log.remove_segments_before(2000, keep_rows=40)  # retention: 0..59 go
+    assert removed == 60 and log.earliest_offset == 60
+    assert [log.newest_records_offset(n) for n in (2, 4, 5)] == [80, 60, 60]
+    log.close()
+
+
 def test_read_range_returns_overlapping_records_only(table_dir: Path) -> None:
     log = TableLog(table_dir, segment_bytes_max=3 * RECORD_BYTES)
     _append(log, 10)

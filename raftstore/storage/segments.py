@@ -494,6 +494,18 @@ class TableLog:
                 return segment.offsets[index], times[index]
         return None
 
+    def newest_records_offset(self, count: int) -> int:
+        """The first offset of the `count`-th newest retained record (the earliest retained
+        offset when fewer are retained): the rows from there on fill at most `count`
+        records. Any thread; answered from the in-memory index."""
+        assert count >= 1, count
+        with self._lock:
+            for segment in reversed(self._segments):
+                if count <= len(segment.offsets):
+                    return int(segment.offsets[-count])
+                count -= len(segment.offsets)
+            return self._earliest_offset_locked()
+
     def remove_segments_before(self, timestamp_ms: int, *, keep_rows: int) -> int:
         """Retention: delete sealed segments, oldest first, while the segment's newest record
         is older than timestamp_ms and it holds none of the last keep_rows rows (nor the last
