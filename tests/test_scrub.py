@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st

@@ -110,7 +110,8 @@ def test_the_newest_records_offset_counts_records_back_across_segments(table_dir
     counts = (1, 3, 4, 9, 10, 11, 1000)
     assert [log.newest_records_offset(n) for n in counts] == [90, 70, 60, 10, 0, 0, 0]
     removed = log.remove_segments_before(2000, keep_rows=40)  # retention: 0..59 go
-    assert removed == 60 and log.earliest_offset == 60
+    assert removed == 60
+    assert log.earliest_offset == 60
     assert [log.newest_records_offset(n) for n in (2, 4, 5)] == [80, 60, 60]
     log.close()
 
