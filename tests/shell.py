@@ -152,6 +152,24 @@ class Shell:
         wait_until(lambda: applier.checkpoints_written > before, timeout_s=10, message="checkpoint")
 
 
+def fetch_from(shells: dict[NodeAddress, Shell]) -> object:
+    """A repair's fetch from other shells (their stores, in process: no network)."""
+
+    def fetch(
+        peer: NodeAddress,
+        group_id: int,
+        table: str,
+        offset_from: int,
+        offset_to: int,
+        created_lsn: int,
+    ) -> Iterator[DataRecord]:
+        shells[peer].g.applier.check_incarnation(table, created_lsn)
+        store = shells[peer].g.store(table)
+        yield from store.records(offset_from, offset_to)
+
+    return fetch
+
+
 def ipc(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from raftstore.scrub import Pace, Scrubber
 from tests.chaos.faults import flip_segment_payload
 from tests.harness import wait_until
-from tests.shell import Shell
-from tests.test_shell import PEER, SCHEMA, _fetch_from, keys, rows, table_dir
+from tests.shell import Shell, fetch_from
+from tests.test_shell import PEER, SCHEMA, keys, rows, table_dir
 
 pytestmark = pytest.mark.storage
 
@@ -42,7 +42,7 @@ def test_the_scrub_finds_a_flipped_byte_and_the_table_is_repaired_from_a_peer(
 ) -> None:
     healthy = Shell(tmp_path / "healthy").start()
     healthy.create("t", SCHEMA)
-    damaged = Shell(tmp_path / "damaged", fetch=_fetch_from({PEER: healthy}), peers=[PEER])  # type: ignore[arg-type]
+    damaged = Shell(tmp_path / "damaged", fetch=fetch_from({PEER: healthy}), peers=[PEER])  # type: ignore[arg-type]
     damaged.start()
     damaged.create("t", SCHEMA)
     for first in range(0, 300, 100):

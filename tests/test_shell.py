@@ -20,7 +20,7 @@ from raftstore.storage.files import Fault, SimFiles
 from raftstore.storage.segments import DataRecord, TableLog
 from raftstore.threads import Threads
 from tests.harness import wait_until
-from tests.shell import Shell, raises
+from tests.shell import Shell, fetch_from, raises
 
 pytestmark = pytest.mark.storage
 
@@ -103,27 +103,11 @@ def test_an_environment_error_stalls_apply_until_it_clears(error: int) -> None:
     shell.stop()
 
 
-def _fetch_from(shells: dict[NodeAddress, Shell]) -> object:
-    def fetch(
-        peer: NodeAddress,
-        group_id: int,
-        table: str,
-        offset_from: int,
-        offset_to: int,
-        created_lsn: int,
-    ) -> Iterator[DataRecord]:
-        shells[peer].g.applier.check_incarnation(table, created_lsn)
-        store = shells[peer].g.store(table)
-        yield from store.records(offset_from, offset_to)
-
-    return fetch
-
-
 def test_a_table_missing_its_rows_is_repaired_from_a_peer(tmp_path: Path) -> None:
     healthy = Shell(tmp_path / "healthy").start()
     healthy.create("t", SCHEMA)
     shells = {PEER: healthy}
-    damaged = Shell(tmp_path / "damaged", fetch=_fetch_from(shells), peers=[PEER]).start()  # type: ignore[arg-type]
+    damaged = Shell(tmp_path / "damaged", fetch=fetch_from(shells), peers=[PEER]).start()  # type: ignore[arg-type]
     damaged.create("t", SCHEMA)
     for first in range(0, 300, 100):
         healthy.publish("t", rows(first, 100))
@@ -146,7 +130,7 @@ def test_rows_a_peer_dropped_are_not_waited_for_the_drop_here_goes_on(tmp_path: 
     healthy = Shell(tmp_path / "healthy").start()
     healthy.create("t", SCHEMA, key_column="k")
     shells = {PEER: healthy}
-    damaged = Shell(tmp_path / "damaged", fetch=_fetch_from(shells), peers=[PEER]).start()  # type: ignore[arg-type]
+    damaged = Shell(tmp_path / "damaged", fetch=fetch_from(shells), peers=[PEER]).start()  # type: ignore[arg-type]
     damaged.create("t", SCHEMA, key_column="k")
     for first in range(0, 300, 100):
         healthy.publish("t", rows(first, 100))
@@ -177,7 +161,7 @@ def test_a_flipped_byte_is_moved_aside_and_repaired_from_a_peer(tmp_path: Path) 
     healthy = Shell(tmp_path / "healthy").start()
     healthy.create("t", SCHEMA)
     shells = {PEER: healthy}
-    damaged = Shell(tmp_path / "damaged", fetch=_fetch_from(shells), peers=[PEER]).start()  # type: ignore[arg-type]
+    damaged = Shell(tmp_path / "damaged", fetch=fetch_from(shells), peers=[PEER]).start()  # type: ignore[arg-type]
     damaged.create("t", SCHEMA)
     for first in range(0, 300, 100):
         healthy.publish("t", rows(first, 100))
