@@ -152,7 +152,7 @@ class Shell:
         wait_until(lambda: applier.checkpoints_written > before, timeout_s=10, message="checkpoint")
 
 
-def fetch_from(shells: dict[NodeAddress, Shell]) -> object:
+def fetch_from(shells: dict[NodeAddress, Shell]) -> FetchRecords:
     """A repair's fetch from other shells (their stores, in process: no network)."""
 
     def fetch(

@@ -42,7 +42,7 @@ def test_the_scrub_finds_a_flipped_byte_and_the_table_is_repaired_from_a_peer(
 ) -> None:
     healthy = Shell(tmp_path / "healthy").start()
     healthy.create("t", SCHEMA)
-    damaged = Shell(tmp_path / "damaged", fetch=fetch_from({PEER: healthy}), peers=[PEER])  # type: ignore[arg-type]
+    damaged = Shell(tmp_path / "damaged", fetch=fetch_from({PEER: healthy}), peers=[PEER])
     damaged.start()
     damaged.create("t", SCHEMA)
     for first in range(0, 300, 100):

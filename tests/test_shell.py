@@ -107,7 +107,7 @@ def test_a_table_missing_its_rows_is_repaired_from_a_peer(tmp_path: Path) -> Non
     healthy = Shell(tmp_path / "healthy").start()
     healthy.create("t", SCHEMA)
     shells = {PEER: healthy}
-    damaged = Shell(tmp_path / "damaged", fetch=fetch_from(shells), peers=[PEER]).start()  # type: ignore[arg-type]
+    damaged = Shell(tmp_path / "damaged", fetch=fetch_from(shells), peers=[PEER]).start()
     damaged.create("t", SCHEMA)
     for first in range(0, 300, 100):
         healthy.publish("t", rows(first, 100))
@@ -130,7 +130,7 @@ def test_rows_a_peer_dropped_are_not_waited_for_the_drop_here_goes_on(tmp_path: 
     healthy = Shell(tmp_path / "healthy").start()
     healthy.create("t", SCHEMA, key_column="k")
     shells = {PEER: healthy}
-    damaged = Shell(tmp_path / "damaged", fetch=fetch_from(shells), peers=[PEER]).start()  # type: ignore[arg-type]
+    damaged = Shell(tmp_path / "damaged", fetch=fetch_from(shells), peers=[PEER]).start()
     damaged.create("t", SCHEMA, key_column="k")
     for first in range(0, 300, 100):
         healthy.publish("t", rows(first, 100))
@@ -161,7 +161,7 @@ def test_a_flipped_byte_is_moved_aside_and_repaired_from_a_peer(tmp_path: Path) 
     healthy = Shell(tmp_path / "healthy").start()
     healthy.create("t", SCHEMA)
     shells = {PEER: healthy}
-    damaged = Shell(tmp_path / "damaged", fetch=fetch_from(shells), peers=[PEER]).start()  # type: ignore[arg-type]
+    damaged = Shell(tmp_path / "damaged", fetch=fetch_from(shells), peers=[PEER]).start()
     damaged.create("t", SCHEMA)
     for first in range(0, 300, 100):
         healthy.publish("t", rows(first, 100))
