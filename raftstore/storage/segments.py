@@ -23,8 +23,12 @@ chain); the last segment also has every payload CRC checked. A failing record th
 last thing in the last segment is a torn write: it is truncated with a WARNING. Any other
 failure raises CorruptionError; nothing is ever skipped.
 
-Index: in memory, per segment, three parallel arrays (first offset, file position, LSN) of
-its records, rebuilt at open by reading headers only. 24 bytes per record; no per-row work.
+Index: in memory, per segment, four parallel arrays (first offset, file position, LSN,
+running maximum of the timestamps) of every INDEX_STRIDE-th record, rebuilt at open by
+reading headers only: 32 bytes per INDEX_STRIDE records (a day of one-row appends at 400/s,
+35 million records, is 35 MB, not 1.1 GB). A read finds the indexed record at or before
+its offset and reads the headers from there (at most INDEX_STRIDE - 1), then one pread per
+record that also fetches the next header; no per-row work.
 
 Threads: one writer thread calls `append`, `sync`, `truncate_from`, `close` and `destroy`.
 Any number of reader threads call `read` and `record_at`; `remove_segments_before` may run on
@@ -43,7 +47,7 @@ import re
 import threading
 import weakref
 from array import array
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, NamedTuple
@@ -68,7 +72,10 @@ from raftstore.storage.format import HEADER_SIZE, FormatError, RecordHeader
 log = logging.getLogger(__name__)
 
 SEGMENT_NAME_PATTERN: Final = re.compile(r"seg-(\d{20})\.dat")
-# Records handed to a reader per lock acquisition: bounds how long a reader holds the lock.
+# The index keeps every INDEX_STRIDE-th record of a segment (see _Segment): 1 byte per
+# record in memory instead of 32, and at most INDEX_STRIDE - 1 headers read to find a record.
+INDEX_STRIDE: Final = 32
+# Records a reader reads per look at the index: a truncation stops readers within this many.
 _SNAPSHOT_RECORDS_MAX: Final = 1024
 _ZERO_CHECK_CHUNK_BYTES: Final = 1024 * 1024
 # Sealed segments whose fsync waits for the next `sync`; beyond it a roll fsyncs the oldest
@@ -95,54 +102,68 @@ class DataRecord:
     payload: bytes | memoryview
 
 
-class _Entry(NamedTuple):
-    """A reader's copy of one index entry: byte range [position, position + length)."""
+class _Start(NamedTuple):
+    """Where a walk through a segment's records begins: an indexed record (the index keeps
+    every `stride`-th one) and the segment's bounds when the walk was planned."""
 
-    first_offset: int
-    row_count: int
+    record_index: int
     position: int
-    length: int
+    first_offset: int
     lsn: int
+    end_position: int  # Bytes of complete records: the walk never reads past them.
+    end_offset: int
 
 
 class _Segment:
-    """One segment file and the index of its records. Mutated under the log's lock."""
+    """One segment file and its sparse index. Mutated under the log's lock.
+
+    The index keeps every `stride`-th record (record 0, stride, 2 * stride, ...): its first
+    offset, file position, LSN and the running maximum of the timestamps up to it. Any
+    other record is found by reading the headers from the indexed one before it, at most
+    stride - 1 of them. So the memory is 32 bytes per `stride` records, not per record."""
 
     __slots__ = (
+        "count",
         "end_offset",
         "first_offset",
         "handle",
+        "last_offset",
+        "lsn_last",
         "lsns",
         "offsets",
         "path",
         "positions",
         "removed",
         "size",
+        "stride",
+        "time_last",
         "times",
         "timestamp_ms_max",
     )
 
-    def __init__(self, path: Path, first_offset: int) -> None:
+    def __init__(self, path: Path, first_offset: int, stride: int) -> None:
         self.path = path
+        self.stride = stride
         self.first_offset = first_offset
         self.end_offset = first_offset  # Offset after the last row: [first_offset, end_offset).
         self.size = 0  # Bytes of complete, indexed records.
+        self.count = 0  # Records.
+        self.last_offset = first_offset  # First offset of the last record.
+        self.lsn_last = 0  # LSN of the last record; 0 if none.
+        self.time_last = 0  # Running maximum of the timestamps up to the last record.
         self.timestamp_ms_max: int | None = None
         self.offsets = array("Q")
         self.positions = array("Q")
         self.lsns = array("Q")
-        # Per record, the newest timestamp up to it in this segment (a running maximum, so
-        # that it can be bisected even when leaders' clocks disagree): the first record
-        # whose entry is >= t is the first record stamped >= t (`TableLog.offset_for_time`).
+        # Per indexed record, the newest timestamp up to it in this segment (a running
+        # maximum, so that it can be bisected even when leaders' clocks disagree): the first
+        # record whose running maximum is >= t is the first record stamped >= t
+        # (`TableLog.offset_for_time`).
         self.times = array("q")
         # Weak: OpenFiles holds the handle and may drop it (closing the fd once nobody uses
         # it); whoever uses the segment takes a strong reference for one operation.
         self.handle: weakref.ref[FileHandle] | None = None
         self.removed = False  # Deleted (retention, truncation): never reopened.
-
-    @property
-    def lsn_last(self) -> int:
-        return self.lsns[-1] if self.lsns else 0
 
     @property
     def row_count(self) -> int:
@@ -152,48 +173,57 @@ class _Segment:
         assert position == self.size, (position, self.size)
         assert header.first_offset == self.end_offset, (header.first_offset, self.end_offset)
         assert header.lsn >= self.lsn_last, (header.lsn, self.lsn_last)
-        self.offsets.append(header.first_offset)
-        self.positions.append(position)
-        self.lsns.append(header.lsn)
-        self.times.append(
-            max(header.timestamp_ms, self.times[-1]) if self.times else header.timestamp_ms
-        )
+        time = max(header.timestamp_ms, self.time_last) if self.count else header.timestamp_ms
+        if self.count % self.stride == 0:
+            self.offsets.append(header.first_offset)
+            self.positions.append(position)
+            self.lsns.append(header.lsn)
+            self.times.append(time)
+        self.count += 1
+        self.last_offset = header.first_offset
+        self.lsn_last = header.lsn
+        self.time_last = time
         self.end_offset += header.row_count
         self.size = position + header.record_size
         if self.timestamp_ms_max is None or header.timestamp_ms > self.timestamp_ms_max:
             self.timestamp_ms_max = header.timestamp_ms
 
-    def cut(self, index: int) -> None:
-        """Forget records [index, ...). timestamp_ms_max is kept: an overestimate only
-        delays retention."""
-        assert 0 <= index < len(self.offsets), index
-        self.end_offset = self.offsets[index]
-        self.size = self.positions[index]
-        del self.offsets[index:]
-        del self.positions[index:]
-        del self.lsns[index:]
-        del self.times[index:]
+    def cut(self, record_index: int, position: int, before: RecordHeader | None) -> None:
+        """Forget records [record_index, ...): the first of them starts at `position`, and
+        `before` is the header of the record before it (None: record_index is 0).
+        timestamp_ms_max is kept: an overestimate only delays retention; so is time_last
+        (an overestimate only makes `offset_for_time` read this segment's headers)."""
+        assert 0 <= record_index < self.count, (record_index, self.count)
+        assert (before is None) == (record_index == 0), (record_index, before)
+        kept = -(-record_index // self.stride)  # Indexed records before the cut.
+        self.end_offset = (
+            self.first_offset if before is None else before.first_offset + before.row_count
+        )
+        self.size = position
+        self.count = record_index
+        self.last_offset = self.first_offset if before is None else before.first_offset
+        self.lsn_last = 0 if before is None else before.lsn
+        del self.offsets[kept:]
+        del self.positions[kept:]
+        del self.lsns[kept:]
+        del self.times[kept:]
 
-    def entries(self, offset_from: int, offset_to: int) -> list[_Entry]:
-        """Up to _SNAPSHOT_RECORDS_MAX records overlapping [offset_from, offset_to)."""
-        offsets, positions, lsns = self.offsets, self.positions, self.lsns
-        count = len(offsets)
-        first = max(bisect.bisect_right(offsets, offset_from) - 1, 0)
-        last = min(bisect.bisect_left(offsets, offset_to, first), first + _SNAPSHOT_RECORDS_MAX)
-        result = []
-        for i in range(first, last):
-            offset_next = offsets[i + 1] if i + 1 < count else self.end_offset
-            position_next = positions[i + 1] if i + 1 < count else self.size
-            result.append(
-                _Entry(
-                    offsets[i],
-                    offset_next - offsets[i],
-                    positions[i],
-                    position_next - positions[i],
-                    lsns[i],
-                )
-            )
-        return result
+    def start(self, offset: int) -> _Start:
+        """Where to begin reading to reach the record holding `offset` (or the first one
+        after it): the indexed record at or before it."""
+        index = max(bisect.bisect_right(self.offsets, offset) - 1, 0)
+        return self.start_at_index(index)
+
+    def start_at_index(self, index: int) -> _Start:
+        """The walk from the `index`-th indexed record."""
+        return _Start(
+            index * self.stride,
+            self.positions[index],
+            self.offsets[index],
+            self.lsns[index],
+            self.size,
+            self.end_offset,
+        )
 
 
 class _Failure(enum.Enum):
@@ -223,12 +253,15 @@ class TableLog:
         files: Files = REAL_FILES,
         open_files: OpenFiles = OPEN_DATA_FILES,
         writeback: Writeback = DATA_WRITEBACK,
+        index_stride: int = INDEX_STRIDE,
     ) -> None:
         """Open (creating if missing, durably: `ensure_dir`) and recover the table's data
         files; what is found is fsynced. Raises CorruptionError on a failing record other
         than a torn tail, OSError from the disk. `open_files` bounds the fds held (the
-        process-wide one by default)."""
+        process-wide one by default). `index_stride`: see INDEX_STRIDE."""
         assert segment_bytes_max > HEADER_SIZE, segment_bytes_max
+        assert index_stride >= 1, index_stride
+        self._stride = index_stride
         self._directory = directory
         self._segment_bytes_max = segment_bytes_max
         self._writeback_bytes = writeback_bytes
@@ -482,28 +515,41 @@ class TableLog:
         offsetsForTimes): its first offset and its timestamp; None when every retained
         record is older. Records share their entry's timestamp, stamped by the leader that
         proposed it; when leaders' clocks disagree, the first record stamped >= t wins even
-        if an older stamp follows it. Any thread; answered from the in-memory index (built
-        from the record headers when the files are opened)."""
+        if an older stamp follows it. Any thread; answered from the index, reading at most
+        INDEX_STRIDE headers. Raises CorruptionError for a header failing its checks."""
         with self._lock:
             for segment in self._segments:
-                times = segment.times
-                if not times or times[-1] < timestamp_ms:
+                if not segment.count or segment.time_last < timestamp_ms:
                     continue
-                index = bisect.bisect_left(times, timestamp_ms)
-                # The running maximum rises at `index`: this is the record's own stamp.
-                return segment.offsets[index], times[index]
+                index = bisect.bisect_left(segment.times, timestamp_ms)
+                if index == 0:
+                    return segment.offsets[0], segment.times[0]
+                # The running maximum rises between indexed records index - 1 and index (or
+                # after the last one): the record where it does is the one.
+                time = segment.times[index - 1]
+                for _, _, header in self._headers_locked(segment, index - 1):
+                    time = max(time, header.timestamp_ms)
+                    if time >= timestamp_ms:
+                        return header.first_offset, header.timestamp_ms
         return None
 
     def newest_records_offset(self, count: int) -> int:
         """The first offset of the `count`-th newest retained record (the earliest retained
         offset when fewer are retained): the rows from there on fill at most `count`
-        records. Any thread; answered from the in-memory index."""
+        records. Any thread; answered from the index, reading at most INDEX_STRIDE headers.
+        Raises CorruptionError for a header failing its checks."""
         assert count >= 1, count
         with self._lock:
             for segment in reversed(self._segments):
-                if count <= len(segment.offsets):
-                    return int(segment.offsets[-count])
-                count -= len(segment.offsets)
+                if count <= segment.count:
+                    wanted = segment.count - count
+                    for record_index, _, header in self._headers_locked(
+                        segment, wanted // segment.stride
+                    ):
+                        if record_index == wanted:
+                            return header.first_offset
+                    raise AssertionError((wanted, segment.count, segment.path))
+                count -= segment.count
             return self._earliest_offset_locked()
 
     def remove_segments_before(self, timestamp_ms: int, *, keep_rows: int) -> int:
@@ -564,7 +610,7 @@ class TableLog:
         if len(self._unsynced) >= _UNSYNCED_SEGMENTS_MAX:
             self._sync_oldest_sealed()
         path = self._directory / segment_name(first_offset)
-        segment = _Segment(path, first_offset)
+        segment = _Segment(path, first_offset, self._stride)
         self._bytes_since_writeback = 0  # The sealed segment's rest is left to its fsync.
         flags = _DATA_FILE_FLAGS | os.O_CREAT | os.O_EXCL
         handle = self._open_files.open(self._files, path, flags)  # Nothing changed if it fails.
@@ -645,19 +691,27 @@ class TableLog:
 
     def _cut_index(self, offset: int) -> tuple[list[_Segment], _Segment | None]:
         """Drop index entries with first_offset >= offset: (segments removed entirely, the
-        segment cut inside or None). Keeps the invariant that only a sole segment is empty."""
+        segment cut inside or None). Keeps the invariant that only a sole segment is empty.
+        Reads the cut segment's headers from the indexed record before `offset`."""
         segments = self._segments
         index = max(bisect.bisect_right(segments, offset, key=_first_offset) - 1, 0)
         while index < len(segments):
-            record_index = bisect.bisect_left(segments[index].offsets, offset)
-            if record_index < len(segments[index].offsets):
+            if segments[index].count and segments[index].last_offset >= offset:
                 break
             index += 1
         else:
             return [], None
         cut: _Segment | None = segments[index]
         assert cut is not None
-        cut.cut(record_index)
+        stride_index = max(bisect.bisect_left(cut.offsets, offset) - 1, 0)
+        before: RecordHeader | None = None
+        for record_index, position, header in self._headers_locked(cut, stride_index):
+            if header.first_offset >= offset:
+                cut.cut(record_index, position, before)
+                break
+            before = header
+        else:
+            raise AssertionError((offset, cut.last_offset, cut.path))
         removed = segments[index + 1 :]
         del segments[index + 1 :]
         if cut.size == 0 and index > 0:
@@ -665,24 +719,48 @@ class TableLog:
             cut = None
         return removed, cut
 
+    def _headers_locked(
+        self, segment: _Segment, stride_index: int
+    ) -> Iterator[tuple[int, int, RecordHeader]]:
+        """(record index, position, header) of the segment's records from its
+        `stride_index`-th indexed one to its end, each checked against the offset chain.
+        Raises CorruptionError. The log's lock is held: the segment does not change."""
+        handle = self._handle_locked(segment)
+        start = segment.start_at_index(stride_index)
+        record_index, position = start.record_index, start.position
+        offset, lsn = start.first_offset, start.lsn
+        while position < segment.size:
+            try:
+                header = storage_format.decode_header(
+                    self._files.pread(handle.fd, HEADER_SIZE, position)
+                )
+                _check_chain(header, offset, lsn, exact=position == start.position)
+            except FormatError as error:
+                raise CorruptionError(str(segment.path), position, error.detail) from error
+            yield record_index, position, header
+            record_index += 1
+            position += header.record_size
+            offset, lsn = offset + header.row_count, header.lsn
+
     def _iter_records(self, offset: int, offset_end: int, truncations: int) -> Iterator[DataRecord]:
         while offset < offset_end:
-            snapshot = self._snapshot(offset, offset_end, truncations)
+            snapshot = self._snapshot(offset, truncations)
             if snapshot is None:
                 return
-            segment, handle, entries = snapshot
-            for entry in entries:
-                record = self._read_entry(segment, handle, entry, truncations)
-                if record is None:
-                    return
-                yield record
-            del handle, snapshot  # Let OpenFiles close it between batches.
-            offset = entries[-1].first_offset + entries[-1].row_count
+            segment, handle, start = snapshot
+            del snapshot
+            going_on = yield from self._walk(
+                segment, handle, start, offset, offset_end, truncations
+            )
+            del handle  # Let OpenFiles close it between batches.
+            if going_on is None:
+                return
+            offset = going_on
 
     def _snapshot(
-        self, offset: int, offset_end: int, truncations: int
-    ) -> tuple[_Segment, FileHandle, list[_Entry]] | None:
-        """The next index entries to read from `offset`, or None if the log was truncated."""
+        self, offset: int, truncations: int
+    ) -> tuple[_Segment, FileHandle, _Start] | None:
+        """Where to read on from `offset`, or None if the log was truncated."""
         with self._lock:
             if self._closed:
                 raise NodeUnavailable(f"data files of table {self._directory.name} are closed")
@@ -693,38 +771,69 @@ class TableLog:
                 raise OffsetOutOfRange(self._directory.name, offset, earliest, self._row_count)
             index = bisect.bisect_right(self._segments, offset, key=_first_offset) - 1
             segment = self._segments[index]
-            entries = segment.entries(offset, offset_end)
-            assert entries, (offset, offset_end, segment.path)
-            return segment, self._handle_locked(segment), entries
+            assert offset < segment.end_offset, (offset, segment.path)
+            return segment, self._handle_locked(segment), segment.start(offset)
 
-    def _read_entry(
-        self, segment: _Segment, handle: FileHandle, entry: _Entry, truncations: int
-    ) -> DataRecord | None:
-        """Read and check one record (pair assertion: it must match its index entry)."""
-        data = self._files.pread(handle.fd, entry.length, entry.position)
-        view = memoryview(data)
-        try:
-            header = storage_format.decode_header(view)
-            if (header.first_offset, header.row_count, header.lsn, header.record_size) != (
-                entry.first_offset,
-                entry.row_count,
-                entry.lsn,
-                entry.length,
-            ):
-                raise FormatError(f"header {header} does not match the index entry {entry}")
-            storage_format.check_payload(header, view[HEADER_SIZE:])
-        except FormatError as error:
-            with self._lock:
+    def _walk(
+        self,
+        segment: _Segment,
+        handle: FileHandle,
+        start: _Start,
+        offset_from: int,
+        offset_end: int,
+        truncations: int,
+    ) -> Generator[DataRecord, None, int | None]:
+        """Read and check the segment's records from `start` (headers only while they end
+        at or before `offset_from`), yielding those overlapping [offset_from, offset_end),
+        up to _SNAPSHOT_RECORDS_MAX of them and never past the segment's end as `start`
+        saw it (only whole records are indexed, so only whole records are read). Returns
+        the offset to read on from, or None when a truncation stopped the read.
+
+        One pread per record: each reads its record and the next one's header. A record
+        must continue the chain from the indexed one (offset, LSN). No lock is held: the
+        bytes before `start.end_position` change only through `truncate_from`, which bumps
+        the truncation count before it cuts a file, so a record read and then found with
+        the count unchanged was read before any cut."""
+        files, fd, end_position = self._files, handle.fd, start.end_position
+        position, offset, lsn = start.position, start.first_offset, start.lsn
+        head: bytes | memoryview = files.pread(fd, HEADER_SIZE, position)
+        yielded = 0
+        while position < end_position and offset < offset_end and yielded < _SNAPSHOT_RECORDS_MAX:
+            try:
+                header = storage_format.decode_header(head)
+                _check_chain(header, offset, lsn, exact=position == start.position)
+                record_end = position + header.record_size
+                if record_end > end_position:
+                    raise FormatError(f"record runs past the segment's end ({end_position})")
+                next_head = HEADER_SIZE if record_end < end_position else 0
+                payload: memoryview | None = None
+                if offset + header.row_count <= offset_from:
+                    head = files.pread(fd, next_head, record_end) if next_head else b""
+                else:
+                    data = memoryview(files.pread(fd, header.record_size + next_head, position))
+                    if len(data) != header.record_size + next_head:
+                        raise FormatError(f"short read of {len(data)} bytes")
+                    payload = data[HEADER_SIZE : header.record_size]
+                    storage_format.check_payload(header, payload)
+                    head = data[header.record_size :]
+            except FormatError as error:
+                if self._truncated_since(truncations):
+                    return None
+                raise CorruptionError(str(segment.path), position, error.detail) from error
+            if payload is not None:
+                # Unlocked read of an int: see the docstring for why it is enough.
                 if self._truncations != truncations:
                     return None
-            raise CorruptionError(str(segment.path), entry.position, error.detail) from error
-        return DataRecord(
-            header.lsn,
-            header.first_offset,
-            header.row_count,
-            header.timestamp_ms,
-            view[HEADER_SIZE:],
-        )
+                yield DataRecord(
+                    header.lsn, header.first_offset, header.row_count, header.timestamp_ms, payload
+                )
+                yielded += 1
+            position, offset, lsn = record_end, offset + header.row_count, header.lsn
+        return offset
+
+    def _truncated_since(self, truncations: int) -> bool:
+        with self._lock:
+            return self._truncations != truncations
 
     # --- recovery ------------------------------------------------------------------------
 
@@ -747,7 +856,7 @@ class TableLog:
                     f"segment starts at offset {first_offset} but the previous one ends at "
                     f"{self._segments[-1].end_offset}",
                 )
-            segment = _Segment(path, first_offset)
+            segment = _Segment(path, first_offset, self._stride)
             if i == len(found) - 1:
                 _recover_last(files, segment, lsn_prev)
             else:
@@ -768,6 +877,15 @@ class TableLog:
 
 def _first_offset(segment: _Segment) -> int:
     return segment.first_offset
+
+
+def _check_chain(header: RecordHeader, offset: int, lsn: int, *, exact: bool) -> None:
+    """A record read by walking from an indexed one must start at `offset` and carry an LSN
+    at or after `lsn` (exactly `lsn`, and so the indexed record itself, when `exact`)."""
+    if header.first_offset != offset:
+        raise FormatError(f"record first_offset {header.first_offset} != {offset}")
+    if header.lsn < lsn or (exact and header.lsn != lsn):
+        raise FormatError(f"record lsn {header.lsn} does not follow the index's {lsn}")
 
 
 def _recover_sealed(files: Files, segment: _Segment, lsn_prev: int) -> None:
