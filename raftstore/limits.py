@@ -121,6 +121,14 @@ TABLES_PER_NODE_MAX: Final = 4096
 # keeps trying). While a replica is in doubt, its Raft log keeps the entries it cannot apply
 # yet; past this many bytes it stops taking new ones (the leader resends them later).
 REPAIR_DEADLINE_S: Final = 600.0
+# FetchRecordBatches (repair and catch-up from a peer) packs consecutive data-file records
+# into one gRPC message while their encoded bytes stay within this (a larger record goes
+# alone): a message costs ~200 us of the server's and ~250 us of the fetcher's CPU whatever
+# it holds, so one per one-row record made a repair of a million such records take minutes.
+# At 1 MiB a message shares that cost among about a thousand small records (under 1% of
+# what fetching them costs), while each repair stream holds at most about one such message
+# on either side (STREAMS_MAX of them: 256 MiB at worst), far from GRPC_MESSAGE_BYTES_MAX.
+FETCH_BATCH_BYTES_MAX: Final = 1 * MIB
 DOUBT_LOG_BYTES_MAX: Final = 512 * MIB
 # An apply stalled by an environment error is retried after a backoff growing to this.
 APPLY_RETRY_MAX_S: Final = 5.0
@@ -152,6 +160,7 @@ assert DOUBT_LOG_BYTES_MAX > RAFT_LOG_BYTES_MAX, "a replica in doubt keeps more 
 assert DATA_FILES_OPEN_MIN <= DATA_FILES_OPEN_MAX
 assert DATA_FILES_OPEN_MAX * DATA_FILES_FD_LIMIT_DIVISOR <= FD_SOFT_LIMIT_IF_UNLIMITED
 assert PIPELINE_IN_FLIGHT_MAX <= PUBLISH_QUEUE_MAX, "one stream alone cannot overload a group"
+assert FETCH_BATCH_BYTES_MAX <= GRPC_MESSAGE_BYTES_MAX // 8, "well under a message's limit"
 
 # A node asked to stop hands each group it leads to a follower first, for at most this long
 # in all (the transfers run in parallel); then it stops anyway (an election follows).
