@@ -121,15 +121,17 @@ TABLES_PER_NODE_MAX: Final = 4096
 # keeps trying). While a replica is in doubt, its Raft log keeps the entries it cannot apply
 # yet; past this many bytes it stops taking new ones (the leader resends them later).
 REPAIR_DEADLINE_S: Final = 600.0
+DOUBT_LOG_BYTES_MAX: Final = 512 * MIB
 # FetchRecordBatches (repair and catch-up from a peer) packs consecutive data-file records
 # into one gRPC message while their encoded bytes stay within this (a larger record goes
-# alone): a message costs ~200 us of the server's and ~250 us of the fetcher's CPU whatever
-# it holds, so one per one-row record made a repair of a million such records take minutes.
-# At 1 MiB a message shares that cost among about a thousand small records (under 1% of
-# what fetching them costs), while each repair stream holds at most about one such message
-# on either side (STREAMS_MAX of them: 256 MiB at worst), far from GRPC_MESSAGE_BYTES_MAX.
+# alone): a gRPC message costs CPU on both sides whatever it holds, so FetchRecords' one
+# message per record made fetching one-row records cost ~80 us of the peer's and ~60 us of
+# the fetcher's CPU per record (bench/fetch_records.py). A 1 MiB message holds about 3,000
+# one-row records of 3 columns, so its own cost is well under 1% of theirs (~9 us a record
+# to read and send, ~2 us to take in): larger messages would save nothing measurable, and a
+# fetch stream holds about one message on each side (beside HTTP/2's windows), a twentieth
+# of GRPC_MESSAGE_BYTES_MAX.
 FETCH_BATCH_BYTES_MAX: Final = 1 * MIB
-DOUBT_LOG_BYTES_MAX: Final = 512 * MIB
 # An apply stalled by an environment error is retried after a backoff growing to this.
 APPLY_RETRY_MAX_S: Final = 5.0
 # Tables moved aside as damaged, kept per group for an operator to look at (oldest deleted).
