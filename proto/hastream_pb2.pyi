@@ -193,6 +193,12 @@ class DataRecord(_message.Message):
     payload: bytes
     def __init__(self, lsn: _Optional[int] = ..., first_offset: _Optional[int] = ..., row_count: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
+class DataRecords(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[DataRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[DataRecord, _Mapping]]] = ...) -> None: ...
+
 class CommitOffsetRequest(_message.Message):
     __slots__ = ("table", "action_name", "offset")
     TABLE_FIELD_NUMBER: _ClassVar[int]

@@ -79,6 +79,11 @@ class StreamTableStub:
                 request_serializer=proto_dot_hastream__pb2.FetchRecordsRequest.SerializeToString,
                 response_deserializer=proto_dot_hastream__pb2.DataRecord.FromString,
                 _registered_method=True)
+        self.FetchRecordBatches = channel.unary_stream(
+                '/hastream.v1.StreamTable/FetchRecordBatches',
+                request_serializer=proto_dot_hastream__pb2.FetchRecordsRequest.SerializeToString,
+                response_deserializer=proto_dot_hastream__pb2.DataRecords.FromString,
+                _registered_method=True)
         self.CommitOffset = channel.unary_unary(
                 '/hastream.v1.StreamTable/CommitOffset',
                 request_serializer=proto_dot_hastream__pb2.CommitOffsetRequest.SerializeToString,
@@ -227,7 +232,18 @@ class StreamTableServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchRecords(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Peer-only: a peer's data-file records for repair and catch-up, one per message (kept
+        for nodes of earlier versions, which call it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchRecordBatches(self, request, context):
+        """Peer-only: the same records, in the same order, packed many per message up to a byte
+        bound (raftstore/limits.py FETCH_BATCH_BYTES_MAX; a larger record goes alone): gRPC's
+        per-message cost is shared. A peer answering UNIMPLEMENTED is asked FetchRecords.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -386,6 +402,11 @@ def add_StreamTableServicer_to_server(servicer, server):
                     servicer.FetchRecords,
                     request_deserializer=proto_dot_hastream__pb2.FetchRecordsRequest.FromString,
                     response_serializer=proto_dot_hastream__pb2.DataRecord.SerializeToString,
+            ),
+            'FetchRecordBatches': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchRecordBatches,
+                    request_deserializer=proto_dot_hastream__pb2.FetchRecordsRequest.FromString,
+                    response_serializer=proto_dot_hastream__pb2.DataRecords.SerializeToString,
             ),
             'CommitOffset': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitOffset,
@@ -716,6 +737,33 @@ class StreamTable:
             '/hastream.v1.StreamTable/FetchRecords',
             proto_dot_hastream__pb2.FetchRecordsRequest.SerializeToString,
             proto_dot_hastream__pb2.DataRecord.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchRecordBatches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hastream.v1.StreamTable/FetchRecordBatches',
+            proto_dot_hastream__pb2.FetchRecordsRequest.SerializeToString,
+            proto_dot_hastream__pb2.DataRecords.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,5 @@
-"""Admission of long-lived streams (Subscribe, Read, PublishStream, FetchRecords).
+"""Admission of long-lived streams (Subscribe, Read, PublishStream, FetchRecords and
+FetchRecordBatches).
 
 Each open stream holds one of the server's worker threads for as long as it lasts. Without
 a bound, a few hundred idle subscriptions (or one client opening streams in a loop) take

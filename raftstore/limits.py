@@ -122,6 +122,16 @@ TABLES_PER_NODE_MAX: Final = 4096
 # yet; past this many bytes it stops taking new ones (the leader resends them later).
 REPAIR_DEADLINE_S: Final = 600.0
 DOUBT_LOG_BYTES_MAX: Final = 512 * MIB
+# FetchRecordBatches (repair and catch-up from a peer) packs consecutive data-file records
+# into one gRPC message while their encoded bytes stay within this (a larger record goes
+# alone): a gRPC message costs CPU on both sides whatever it holds, so FetchRecords' one
+# message per record made fetching one-row records cost ~80 us of the peer's and ~60 us of
+# the fetcher's CPU per record (bench/fetch_records.py). A 1 MiB message holds about 3,000
+# one-row records of 3 columns, so its own cost is well under 1% of theirs (~9 us a record
+# to read and send, ~2 us to take in): larger messages would save nothing measurable, and a
+# fetch stream holds about one message on each side (beside HTTP/2's windows), a twentieth
+# of GRPC_MESSAGE_BYTES_MAX.
+FETCH_BATCH_BYTES_MAX: Final = 1 * MIB
 # An apply stalled by an environment error is retried after a backoff growing to this.
 APPLY_RETRY_MAX_S: Final = 5.0
 # Tables moved aside as damaged, kept per group for an operator to look at (oldest deleted).
@@ -152,6 +162,7 @@ assert DOUBT_LOG_BYTES_MAX > RAFT_LOG_BYTES_MAX, "a replica in doubt keeps more 
 assert DATA_FILES_OPEN_MIN <= DATA_FILES_OPEN_MAX
 assert DATA_FILES_OPEN_MAX * DATA_FILES_FD_LIMIT_DIVISOR <= FD_SOFT_LIMIT_IF_UNLIMITED
 assert PIPELINE_IN_FLIGHT_MAX <= PUBLISH_QUEUE_MAX, "one stream alone cannot overload a group"
+assert FETCH_BATCH_BYTES_MAX <= GRPC_MESSAGE_BYTES_MAX // 8, "well under a message's limit"
 
 # A node asked to stop hands each group it leads to a follower first, for at most this long
 # in all (the transfers run in parallel); then it stops anyway (an election follows).

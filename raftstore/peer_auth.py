@@ -1,13 +1,13 @@
 """Who may call the peer-only RPCs: nodes that hold the cluster secret.
 
-FetchRecords, the table-name catalog calls, GetTableDigest and RepairTable serve other
-nodes, never clients: they hand out raw data-file records and change the catalog. A node
-calling them signs each call with an HMAC-SHA256 keyed from `streamingRaftSecret` (a key of
-its own, derived apart from the Raft payload key) over the method, its alias, the time and
-a random nonce, in the `hastream-peer` metadata entry. The receiver checks the tag, that
-the time is within `PEER_CLOCK_SKEW_S`, and that the nonce is new (a bounded cache over the
-same window), so a recorded call cannot be replayed. Anything else is `Unauthenticated`,
-and the RPC does nothing.
+FetchRecords and FetchRecordBatches, the table-name catalog calls, GetTableDigest and
+RepairTable serve other nodes, never clients: they hand out raw data-file records and change
+the catalog. A node calling them signs each call with an HMAC-SHA256 keyed from
+`streamingRaftSecret` (a key of its own, derived apart from the Raft payload key) over the
+method, its alias, the time and a random nonce, in the `hastream-peer` metadata entry. The
+receiver checks the tag, that the time is within `PEER_CLOCK_SKEW_S`, and that the nonce is
+new (a bounded cache over the same window), so a recorded call cannot be replayed. Anything
+else is `Unauthenticated`, and the RPC does nothing.
 """
 
 from __future__ import annotations

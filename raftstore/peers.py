@@ -4,9 +4,11 @@ catalog of table names (claims go to the catalog group's leader)."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Final
 
 import grpc
 
@@ -18,7 +20,13 @@ from raftstore import limits
 from raftstore.peer_auth import PeerSigner
 from raftstore.storage.segments import DataRecord
 
+log = logging.getLogger(__name__)
+
 _FETCH_TIMEOUT_S = 600.0
+# A peer that does not serve FetchRecordBatches (a node of an earlier version, during a
+# rolling upgrade) is asked FetchRecords for this long, then FetchRecordBatches again: by
+# then it may run the new version. Asking costs one round trip.
+_WITHOUT_BATCHES_RECHECK_S: Final = 300.0
 _CATALOG_TIMEOUT_S = 10.0
 _DIGEST_TIMEOUT_S = 60.0
 
@@ -27,14 +35,21 @@ class PeerClient:
     """One cached channel per peer. Thread-safe."""
 
     def __init__(
-        self, signer: PeerSigner, credentials: grpc.ChannelCredentials | None = None
+        self,
+        signer: PeerSigner,
+        credentials: grpc.ChannelCredentials | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`credentials`: TLS to the peers' client ports (None: plaintext)."""
         self._signer = signer
         self._credentials = credentials
+        self._clock = clock
         self._lock = threading.Lock()
         self._stubs: dict[NodeAddress, hastream_pb2_grpc.StreamTableStub] = {}
         self._channels: list[grpc.Channel] = []
+        # Peers that answered FetchRecordBatches with UNIMPLEMENTED, and when.
+        self._without_batches: dict[NodeAddress, float] = {}
 
     def _stub(self, peer: NodeAddress) -> hastream_pb2_grpc.StreamTableStub:
         with self._lock:
@@ -73,19 +88,66 @@ class PeerClient:
             offset_to=offset_to,
             created_lsn=created_lsn,
         )
+        if self._has_batches(peer):
+            try:
+                yield from self._fetch_batches(peer, request)
+                return
+            except _BatchesUnimplemented:
+                self._lacks_batches(peer)
+        yield from self._fetch_one_by_one(peer, request)
+
+    def _fetch_batches(
+        self, peer: NodeAddress, request: hastream_pb2.FetchRecordsRequest
+    ) -> Iterator[DataRecord]:
+        """FetchRecordBatches. Raises _BatchesUnimplemented when the peer does not serve it
+        (before any record came), else the peer's typed error or NodeUnavailable."""
+        received = False
+        try:
+            for message in self._stub(peer).FetchRecordBatches(
+                request,
+                metadata=self._signer.metadata("FetchRecordBatches"),
+                timeout=_FETCH_TIMEOUT_S,
+            ):
+                received = True
+                for record in message.records:
+                    yield _record(record)
+        except grpc.RpcError as error:
+            if not received and _unimplemented(error):
+                raise _BatchesUnimplemented from None
+            raise _typed(peer, error) from None
+
+    def _fetch_one_by_one(
+        self, peer: NodeAddress, request: hastream_pb2.FetchRecordsRequest
+    ) -> Iterator[DataRecord]:
+        """FetchRecords, which every version serves: one record per message."""
         try:
             for message in self._stub(peer).FetchRecords(
                 request, metadata=self._signer.metadata("FetchRecords"), timeout=_FETCH_TIMEOUT_S
             ):
-                yield DataRecord(
-                    lsn=message.lsn,
-                    first_offset=message.first_offset,
-                    row_count=message.row_count,
-                    timestamp_ms=message.timestamp_ms,
-                    payload=message.payload,
-                )
+                yield _record(message)
         except grpc.RpcError as error:
             raise _typed(peer, error) from None
+
+    def _has_batches(self, peer: NodeAddress) -> bool:
+        """False while `peer` is remembered to lack FetchRecordBatches."""
+        with self._lock:
+            since = self._without_batches.get(peer)
+            if since is None:
+                return True
+            if self._clock() - since < _WITHOUT_BATCHES_RECHECK_S:
+                return False
+            del self._without_batches[peer]  # upgraded since, perhaps: ask again
+            return True
+
+    def _lacks_batches(self, peer: NodeAddress) -> None:
+        with self._lock:
+            self._without_batches[peer] = self._clock()
+        log.info(
+            "peer %s does not serve FetchRecordBatches (an earlier version): fetching one "
+            "record per message from it for %.0f s",
+            peer,
+            _WITHOUT_BATCHES_RECHECK_S,
+        )
 
     def claim_name(self, peer: NodeAddress, table: str, group_id: int, nonce: bytes) -> None:
         """Ask `peer` (the catalog group's leader) to claim `table` for `group_id`. Raises
@@ -194,6 +256,27 @@ class PeerClient:
                 channel.close()
             self._channels.clear()
             self._stubs.clear()
+
+
+class _BatchesUnimplemented(Exception):
+    """The peer answered FetchRecordBatches with UNIMPLEMENTED: it runs an earlier version."""
+
+
+def _unimplemented(error: grpc.RpcError) -> bool:
+    """gRPC's own answer to a method the server does not know (not a typed error)."""
+    call: Any = error
+    metadata = {k: v for k, v in call.trailing_metadata() or () if isinstance(v, str)}
+    return bool(call.code() == grpc.StatusCode.UNIMPLEMENTED and errors.from_wire(metadata) is None)
+
+
+def _record(message: hastream_pb2.DataRecord) -> DataRecord:
+    return DataRecord(
+        lsn=message.lsn,
+        first_offset=message.first_offset,
+        row_count=message.row_count,
+        timestamp_ms=message.timestamp_ms,
+        payload=message.payload,
+    )
 
 
 def _typed(peer: NodeAddress, error: grpc.RpcError) -> errors.RaftStoreError:

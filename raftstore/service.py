@@ -10,7 +10,7 @@ import contextlib
 import functools
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from typing import Any, Final, Protocol, TypeVar
 
@@ -57,6 +57,7 @@ from raftstore.peer_auth import PeerVerifier
 from raftstore.pipeline import PublishStream, StreamedPublish
 from raftstore.slow_consumers import SlowConsumers
 from raftstore.state_machine import ItemResult, TableView
+from raftstore.storage.segments import DataRecord
 from raftstore.subscriptions import follow, resolve_start
 from raftstore.tables import RowSlice, TableStore
 
@@ -215,6 +216,35 @@ def _message(group: list[RowSlice], table_row_count: int) -> pb.RowBatch:
         slice_offsets=[rows.first_offset for rows in group],
         slice_timestamps_ms=[rows.timestamp_ms for rows in group],
     )
+
+
+# What one record adds to a DataRecords message beside its payload, at most: the field's
+# tag and length, and in the DataRecord five tags, four int64 varints (10 bytes at most
+# each) and the payload's length (5).
+_RECORD_FRAMING_BYTES_MAX: Final = 1 + 5 + 5 + 4 * 10 + 5
+
+
+def record_batches(records: Iterable[DataRecord]) -> Iterator[pb.DataRecords]:
+    """`records` in order, packed into messages of at most FETCH_BATCH_BYTES_MAX encoded
+    bytes each (counted with each record's largest framing, so the bound holds without
+    asking protobuf for sizes); a record larger than that goes alone in its message."""
+    message = pb.DataRecords()
+    size = 0
+    for record in records:
+        record_size = len(record.payload) + _RECORD_FRAMING_BYTES_MAX
+        if size and size + record_size > limits.FETCH_BATCH_BYTES_MAX:
+            yield message
+            message, size = pb.DataRecords(), 0
+        message.records.add(
+            lsn=record.lsn,
+            first_offset=record.first_offset,
+            row_count=record.row_count,
+            timestamp_ms=record.timestamp_ms,
+            payload=bytes(record.payload),
+        )
+        size += record_size
+    if size:
+        yield message
 
 
 def _rows_max(view: TableView, requested: int) -> int:
@@ -493,6 +523,29 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     def FetchRecords(
         self, request: pb.FetchRecordsRequest, context: Any
     ) -> Iterator[pb.DataRecord]:
+        # Nodes of earlier versions ask this: one record per message.
+        for record in self._fetched_records(request, context):
+            yield pb.DataRecord(
+                lsn=record.lsn,
+                first_offset=record.first_offset,
+                row_count=record.row_count,
+                timestamp_ms=record.timestamp_ms,
+                payload=bytes(record.payload),
+            )
+
+    @streaming
+    @peer_only
+    def FetchRecordBatches(
+        self, request: pb.FetchRecordsRequest, context: Any
+    ) -> Iterator[pb.DataRecords]:
+        yield from record_batches(self._fetched_records(request, context))
+
+    def _fetched_records(
+        self, request: pb.FetchRecordsRequest, context: Any
+    ) -> Iterator[DataRecord]:
+        """The records FetchRecords and FetchRecordBatches send, until the caller leaves.
+        Raises IncarnationDropped, TableNotFound, ReplicaInDoubt (this replica is in doubt,
+        or the read found damage: reported, so the table is repaired)."""
         group = self._node.group(request.raft_group)
         if request.created_lsn:
             group.applier.check_incarnation(request.table, request.created_lsn)
@@ -504,13 +557,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
             for record in store.records(request.offset_from, end):
                 if record.first_offset >= end or not context.is_active():
                     break
-                yield pb.DataRecord(
-                    lsn=record.lsn,
-                    first_offset=record.first_offset,
-                    row_count=record.row_count,
-                    timestamp_ms=record.timestamp_ms,
-                    payload=bytes(record.payload),
-                )
+                yield record
 
     # --- offsets ---
 

@@ -1,5 +1,6 @@
-"""Peer-only RPCs (FetchRecords, the name catalog, digests, RepairTable) accept signed calls
-from cluster nodes only: unit tests of the signature, and a real cluster refusing a client."""
+"""Peer-only RPCs (FetchRecords, FetchRecordBatches, the name catalog, digests, RepairTable)
+accept signed calls from cluster nodes only: unit tests of the signature, and a real cluster
+refusing a client."""
 
 from __future__ import annotations
 
@@ -123,6 +124,13 @@ def test_a_client_cannot_call_peer_only_rpcs(cluster: LocalCluster) -> None:
     calls: dict[str, Callable[[Any], object]] = {
         "FetchRecords": lambda metadata: list(
             stub.FetchRecords(
+                pb.FetchRecordsRequest(raft_group=2, table="ticks", offset_to=100),
+                metadata=metadata,
+                timeout=10,
+            )
+        ),
+        "FetchRecordBatches": lambda metadata: list(
+            stub.FetchRecordBatches(
                 pb.FetchRecordsRequest(raft_group=2, table="ticks", offset_to=100),
                 metadata=metadata,
                 timeout=10,
