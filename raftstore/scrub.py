@@ -2,8 +2,8 @@
 
 A flipped bit in a sealed segment is otherwise found only when a reader reaches it or the
 node restarts. The scrub reads each record through the same checked path readers use (the
-header against the index, the header CRC, the payload CRC); damage is reported to the
-group's applier, which moves the table aside and repairs it from a peer (apply.py).
+offset and LSN chain from the index, the header CRC, the payload CRC); damage is reported to
+the group's applier, which moves the table aside and repairs it from a peer (apply.py).
 
 The rate (`streamingScrubRate`, MB/s) bounds the scrub's share of the disk, and
 SCRUB_CPU_SHARE_MAX its share of a core: a record costs Python work however small it is

@@ -32,9 +32,12 @@ record that also fetches the next header; no per-row work.
 
 Threads: one writer thread calls `append`, `sync`, `truncate_from`, `close` and `destroy`.
 Any number of reader threads call `read` and `record_at`; `remove_segments_before` may run on
-any thread (it never touches the active segment). The index is guarded by a lock, and an
-index entry is published only after its record is completely written, so readers (who
-`pread` on the segment's handle, held for one batch of records) never see half a record.
+any thread (it never touches the active segment). The index is guarded by a lock, and a
+segment's size and end offset move past a record only after it is completely written;
+readers plan each batch of records under the lock and read it without (`pread` on the
+segment's handle, held for the batch), never past the size they saw, so they never see
+half a record. A `truncate_from` bumps a count before it cuts a file, and a reader that
+sees the count changed ends its read.
 """
 
 from __future__ import annotations
