@@ -114,7 +114,6 @@ class _Start(NamedTuple):
     first_offset: int
     lsn: int
     end_position: int  # Bytes of complete records: the walk never reads past them.
-    end_offset: int
 
 
 class _Segment:
@@ -225,7 +224,6 @@ class _Segment:
             self.offsets[index],
             self.lsns[index],
             self.size,
-            self.end_offset,
         )
 
 
