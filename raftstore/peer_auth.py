@@ -59,9 +59,17 @@ class PeerSigner:
 class PeerVerifier:
     """Checks a peer-only call's signature. Thread-safe."""
 
-    def __init__(self, key: bytes, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        key: bytes,
+        clock: Callable[[], float] = time.time,
+        *,
+        nonces_max: int = limits.PEER_NONCES_MAX,
+    ) -> None:
+        """`nonces_max`: the replay cache's bound (PEER_NONCES_MAX)."""
         self._key = key
         self._clock = clock
+        self._nonces_max = nonces_max
         self._lock = threading.Lock()
         self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> when it expires
 
@@ -94,6 +102,6 @@ class PeerVerifier:
                 self._seen.popitem(last=False)
             if nonce in self._seen:
                 raise Unauthenticated(f"{method}: replayed peer call")
-            if len(self._seen) >= limits.PEER_NONCES_MAX:
-                raise Overloaded("peer calls", limits.PEER_NONCES_MAX)
+            if len(self._seen) >= self._nonces_max:
+                raise Overloaded("peer calls", self._nonces_max)
             self._seen[nonce] = expires

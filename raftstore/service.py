@@ -235,16 +235,20 @@ def record_batches(records: Iterable[DataRecord]) -> Iterator[pb.DataRecords]:
         if size and size + record_size > limits.FETCH_BATCH_BYTES_MAX:
             yield message
             message, size = pb.DataRecords(), 0
-        message.records.add(
-            lsn=record.lsn,
-            first_offset=record.first_offset,
-            row_count=record.row_count,
-            timestamp_ms=record.timestamp_ms,
-            payload=bytes(record.payload),
-        )
+        message.records.append(_wire_record(record))
         size += record_size
     if size:
         yield message
+
+
+def _wire_record(record: DataRecord) -> pb.DataRecord:
+    return pb.DataRecord(
+        lsn=record.lsn,
+        first_offset=record.first_offset,
+        row_count=record.row_count,
+        timestamp_ms=record.timestamp_ms,
+        payload=bytes(record.payload),
+    )
 
 
 def _rows_max(view: TableView, requested: int) -> int:
@@ -525,13 +529,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     ) -> Iterator[pb.DataRecord]:
         # Nodes of earlier versions ask this: one record per message.
         for record in self._fetched_records(request, context):
-            yield pb.DataRecord(
-                lsn=record.lsn,
-                first_offset=record.first_offset,
-                row_count=record.row_count,
-                timestamp_ms=record.timestamp_ms,
-                payload=bytes(record.payload),
-            )
+            yield _wire_record(record)
 
     @streaming
     @peer_only

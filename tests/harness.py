@@ -20,6 +20,16 @@ from proto import hastream_pb2 as pb
 from raftstore.storage.format import HEADER_SIZE
 
 
+class ManualClock:
+    """A clock the test moves by hand (`clock.now += s`), for code that takes a clock."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class AckedPublisher:
     """A test publisher that follows the leader and records what the cluster acknowledged.
 

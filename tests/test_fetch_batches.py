@@ -21,6 +21,7 @@ from raftstore.peer_auth import METADATA_KEY, PeerSigner, peer_key
 from raftstore.peers import PeerClient
 from raftstore.service import record_batches
 from raftstore.storage.segments import DataRecord
+from tests.harness import ManualClock
 
 SCHEMA = pa.schema([("id", pa.int64()), ("ts", pa.timestamp("ms")), ("temp", pa.float64())])
 GROUP = 2
@@ -177,14 +178,6 @@ class EarlierVersion(grpc.GenericRpcHandler):
         yield from self._fetch(request, metadata=signature, timeout=60)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.mark.cluster
 def test_a_peer_of_an_earlier_version_is_asked_fetch_records_and_remembered(
     cluster: LocalCluster,
@@ -197,7 +190,7 @@ def test_a_peer_of_an_earlier_version_is_asked_fetch_records_and_remembered(
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=[earlier])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    clock = Clock()
+    clock = ManualClock()
     peers = PeerClient(_signer(), clock=clock)
     old_node = NodeAddress("127.0.0.1", port, "old")
     try:

@@ -18,7 +18,7 @@ from proto import hastream_pb2 as pb
 from raftstore import limits
 from raftstore.log_limits import OncePerInterval
 from raftstore.peer_auth import METADATA_KEY, PeerSigner, PeerVerifier, peer_key
-from tests.harness import AckedPublisher, LocalCluster, wait_until
+from tests.harness import AckedPublisher, LocalCluster, ManualClock, wait_until
 
 KEY = b"k" * 32
 SCHEMA = pa.schema(
@@ -32,17 +32,9 @@ SCHEMA = pa.schema(
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.mark.unit
 def test_a_signed_call_is_accepted_once() -> None:
-    clock = Clock()
+    clock = ManualClock()
     metadata = PeerSigner(KEY, "node2", clock).metadata("FetchRecords")
     verifier = PeerVerifier(KEY, clock)
     assert verifier.verify("FetchRecords", metadata) == "node2"
@@ -52,7 +44,7 @@ def test_a_signed_call_is_accepted_once() -> None:
 
 @pytest.mark.unit
 def test_forged_misdirected_stale_and_missing_signatures_are_refused() -> None:
-    clock = Clock()
+    clock = ManualClock()
     verifier = PeerVerifier(KEY, clock)
     other = PeerSigner(peer_key("another secret"), "node2", clock).metadata("FetchRecords")
     with pytest.raises(Unauthenticated, match="bad peer signature"):
@@ -73,12 +65,9 @@ def test_forged_misdirected_stale_and_missing_signatures_are_refused() -> None:
 
 
 @pytest.mark.unit
-def test_the_replay_cache_is_bounded_and_forgets_expired_nonces(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(limits, "PEER_NONCES_MAX", 3)
-    clock = Clock()
-    signer, verifier = PeerSigner(KEY, "node2", clock), PeerVerifier(KEY, clock)
+def test_the_replay_cache_is_bounded_and_forgets_expired_nonces() -> None:
+    clock = ManualClock()
+    signer, verifier = PeerSigner(KEY, "node2", clock), PeerVerifier(KEY, clock, nonces_max=3)
     for _ in range(3):
         verifier.verify("GetTableClaims", signer.metadata("GetTableClaims"))
     with pytest.raises(Overloaded):
@@ -89,7 +78,7 @@ def test_the_replay_cache_is_bounded_and_forgets_expired_nonces(
 
 @pytest.mark.unit
 def test_refusals_are_logged_once_a_second_with_the_count_between() -> None:
-    clock = Clock()
+    clock = ManualClock()
     limiter = OncePerInterval(1.0, clock)
     assert limiter.due() == 1
     assert [limiter.due() for _ in range(5)] == [None] * 5

@@ -138,7 +138,6 @@ class _Segment:
         "removed",
         "size",
         "stride",
-        "time_last",
         "times",
         "timestamp_ms_max",
     )
@@ -152,7 +151,9 @@ class _Segment:
         self.count = 0  # Records.
         self.last_offset = first_offset  # First offset of the last record.
         self.lsn_last = 0  # LSN of the last record; 0 if none.
-        self.time_last = 0  # Running maximum of the timestamps up to the last record.
+        # The newest timestamp of the segment (the running maximum at its last record; an
+        # overestimate after a cut, which only delays retention and costs `offset_for_time`
+        # a read of headers). None while no record was ever added.
         self.timestamp_ms_max: int | None = None
         self.offsets = array("Q")
         self.positions = array("Q")
@@ -160,7 +161,9 @@ class _Segment:
         # Per indexed record, the newest timestamp up to it in this segment (a running
         # maximum, so that it can be bisected even when leaders' clocks disagree): the first
         # record whose running maximum is >= t is the first record stamped >= t
-        # (`TableLog.offset_for_time`).
+        # (`TableLog.offset_for_time`). Records added after a cut may carry the cut ones'
+        # newest stamp: an overestimate, never an underestimate, so an indexed record below
+        # t still proves that no record up to it is stamped >= t.
         self.times = array("q")
         # Weak: OpenFiles holds the handle and may drop it (closing the fd once nobody uses
         # it); whoever uses the segment takes a strong reference for one operation.
@@ -175,7 +178,9 @@ class _Segment:
         assert position == self.size, (position, self.size)
         assert header.first_offset == self.end_offset, (header.first_offset, self.end_offset)
         assert header.lsn >= self.lsn_last, (header.lsn, self.lsn_last)
-        time = max(header.timestamp_ms, self.time_last) if self.count else header.timestamp_ms
+        time = header.timestamp_ms
+        if self.count and self.timestamp_ms_max is not None:
+            time = max(time, self.timestamp_ms_max)
         if self.count % self.stride == 0:
             self.offsets.append(header.first_offset)
             self.positions.append(position)
@@ -184,17 +189,16 @@ class _Segment:
         self.count += 1
         self.last_offset = header.first_offset
         self.lsn_last = header.lsn
-        self.time_last = time
+        self.timestamp_ms_max = (
+            time if self.timestamp_ms_max is None else max(time, self.timestamp_ms_max)
+        )
         self.end_offset += header.row_count
         self.size = position + header.record_size
-        if self.timestamp_ms_max is None or header.timestamp_ms > self.timestamp_ms_max:
-            self.timestamp_ms_max = header.timestamp_ms
 
     def cut(self, record_index: int, position: int, before: RecordHeader | None) -> None:
         """Forget records [record_index, ...): the first of them starts at `position`, and
         `before` is the header of the record before it (None: record_index is 0).
-        timestamp_ms_max is kept: an overestimate only delays retention; so is time_last
-        (an overestimate only makes `offset_for_time` read this segment's headers)."""
+        timestamp_ms_max is kept (see __init__)."""
         assert 0 <= record_index < self.count, (record_index, self.count)
         assert (before is None) == (record_index == 0), (record_index, before)
         kept = -(-record_index // self.stride)  # Indexed records before the cut.
@@ -520,7 +524,8 @@ class TableLog:
         INDEX_STRIDE headers. Raises CorruptionError for a header failing its checks."""
         with self._lock:
             for segment in self._segments:
-                if not segment.count or segment.time_last < timestamp_ms:
+                newest = segment.timestamp_ms_max
+                if not segment.count or newest is None or newest < timestamp_ms:
                     continue
                 index = bisect.bisect_left(segment.times, timestamp_ms)
                 if index == 0:
