@@ -40,6 +40,7 @@ from api_clients.call_policy import (
 )
 from api_clients.hedge import HEDGE_DELAY_S_DEFAULT, AttemptMonitor, LeaderWatch
 from api_clients.login import Login, TokenInterceptor
+from api_clients.publish_port import PortRefused, PublishPorts
 from api_clients.reader import read_range
 from api_clients.retry import BACKOFF_INITIAL_S, BACKOFF_MAX_S, Backoff
 from api_clients.subscriber import Subscription, subscription_filter, subscription_handler
@@ -173,6 +174,8 @@ class Session:
         self._subscriptions: dict[str, Subscription] = {}
         self._closed = False
         self._monitor: AttemptMonitor | None = None
+        # Waited publishes over the nodes' publish ports; plaintext, so not with TLS.
+        self._ports = PublishPorts() if tls is None else None
         if hedge_delay_s is not None:
             self._monitor = AttemptMonitor(self, hedge_delay_s, self._drop_channel)
 
@@ -187,6 +190,8 @@ class Session:
             subscription.stop()
         if self._monitor is not None:
             self._monitor.close()
+        if self._ports is not None:
+            self._ports.close()
         with self._lock:
             self._closed = True
             channels = list(self._channels.values())
@@ -472,10 +477,10 @@ class Session:
         monitor: once the other sites agree that another node leads, the silent site's
         channel is closed and the attempt raises `Unresponsive`."""
         if not hedged or self._monitor is None:
-            return transport.unary(self.stub(target), method_name, request, target, timeout_s)
+            return self._unary(method_name, request, target, timeout_s)
         ticket = self._monitor.begin(target, table=table, group=group)
         try:
-            return transport.unary(self.stub(target), method_name, request, target, timeout_s)
+            return self._unary(method_name, request, target, timeout_s)
         except RaftStoreError:
             if ticket.moved is not None:
                 raise ticket.moved from None
@@ -483,12 +488,30 @@ class Session:
         finally:
             self._monitor.end(ticket)
 
+    def _unary(self, method_name: str, request: Any, target: str, timeout_s: float) -> Any:
+        """One unary call on `target`: a Publish over the site's publish port when it has one
+        (api_clients/publish_port.py), else, and for every other method, over gRPC."""
+        if self._ports is None or method_name != "Publish":
+            return transport.unary(self.stub(target), method_name, request, target, timeout_s)
+        if self._ports.usable(target, len(request.payload)):
+            token = "" if self._login is None else self._login.token()
+            if token is not None:  # None: a login is due, which gRPC's interceptor makes
+                try:
+                    return self._ports.publish(target, request, token, timeout_s)
+                except PortRefused:
+                    pass  # nothing was sent: gRPC it is
+        response = transport.unary(self.stub(target), method_name, request, target, timeout_s)
+        self._ports.learn(target, response.publish_port)
+        return response
+
     def _drop_channel(self, site: str) -> None:
         """Closes `site`'s channel (every call in flight on it fails CANCELLED) and forgets
         it: the next use opens a fresh one. The monitor's thread, leaving a silent site."""
         with self._lock:
             channel = self._channels.pop(site, None)
             self._stubs.pop(site, None)
+        if self._ports is not None:
+            self._ports.drop(site)
         if channel is not None:
             log.info("closing the channel of a silent site site=%s", site)
             channel.close()

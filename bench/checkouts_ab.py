@@ -156,7 +156,12 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
         for arm, repo in checkouts.items():
             root = Path(tempfile.mkdtemp(prefix=f"hastream-ab-{arm}-"))
             roots.append(root)
-            cluster = clusters[arm] = LocalCluster(root, purge_interval_s=60, repo=repo)
+            cluster = clusters[arm] = LocalCluster(
+                root,
+                purge_interval_s=60,
+                repo=repo,
+                publish_ports=(repo / "raftstore" / "publish_port.py").exists(),
+            )
             cluster.start()
             cluster.leader(common.HA_GROUP)
             sessions[arm] = Session([node.site for node in cluster.nodes.values()])

@@ -104,6 +104,7 @@ class NodeExited(AssertionError):
 
 
 _AUTHENTICATION_OFF = "authentication=off"
+_PUBLISH_PORT = "publishPort"
 
 
 @dataclass
@@ -139,6 +140,9 @@ class LocalCluster:
     environment: dict[str, str] = field(default_factory=dict)
     # the checkout the nodes run from (bench.checkouts_ab starts one cluster per checkout)
     repo: Path = REPO
+    # every node serves waited publishes on a publish port too (raftstore/publish_port.py);
+    # off for a checkout from before it (an unknown key stops a node)
+    publish_ports: bool = True
     nodes: dict[str, NodeProcess] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # enable_metrics()
     # enable_tls(): what the harness's own channels (stub) connect with
@@ -150,7 +154,7 @@ class LocalCluster:
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        ports = free_ports(self.size * (1 + len(self.groups)))
+        ports = free_ports(self.size * (2 + len(self.groups)))
         aliases = [f"node{number}" for number in range(1, self.size + 1)]
         lines = [
             "streamingHAMode=raft",
@@ -175,6 +179,9 @@ class LocalCluster:
                 f"{alias}.port={port}",
                 f"{alias}.raftPorts={raft}",
             ]
+            if self.publish_ports:
+                publish_port = ports[self.size * (1 + len(self.groups)) + number]
+                lines.append(f"{alias}.{_PUBLISH_PORT}={publish_port}")
             self.nodes[alias] = NodeProcess(alias, port, self.root / f"{alias}.log", host=host)
         if any(not host.startswith("127.") for host in self.hosts.values()):
             # Off-loopback hosts (network namespaces) turn logins on by default; the
@@ -205,6 +212,10 @@ class LocalCluster:
         harness's channels then use a client certificate of the same CA. Only before the
         nodes first start."""
         ca = DevCA.create(self.root / "tls")
+        # The publish port is plaintext: a node with TLS serves publishes on gRPC only.
+        self._config_lines = [
+            line for line in self._config_lines if f".{_PUBLISH_PORT}=" not in line
+        ]
         for alias, node in self.nodes.items():
             issued = ca.issue(alias, (node.host,))
             self.add_config_lines(

@@ -76,20 +76,22 @@ class PublishRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., payload: _Optional[bytes] = ..., producer_id: _Optional[bytes] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
-    __slots__ = ("first_offset", "row_count", "duplicates", "lsn", "duplicate_batch", "sequence")
+    __slots__ = ("first_offset", "row_count", "duplicates", "lsn", "duplicate_batch", "sequence", "publish_port")
     FIRST_OFFSET_FIELD_NUMBER: _ClassVar[int]
     ROW_COUNT_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     LSN_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_BATCH_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_PORT_FIELD_NUMBER: _ClassVar[int]
     first_offset: int
     row_count: int
     duplicates: int
     lsn: int
     duplicate_batch: bool
     sequence: int
-    def __init__(self, first_offset: _Optional[int] = ..., row_count: _Optional[int] = ..., duplicates: _Optional[int] = ..., lsn: _Optional[int] = ..., duplicate_batch: _Optional[bool] = ..., sequence: _Optional[int] = ...) -> None: ...
+    publish_port: int
+    def __init__(self, first_offset: _Optional[int] = ..., row_count: _Optional[int] = ..., duplicates: _Optional[int] = ..., lsn: _Optional[int] = ..., duplicate_batch: _Optional[bool] = ..., sequence: _Optional[int] = ..., publish_port: _Optional[int] = ...) -> None: ...
 
 class PublishBatch(_message.Message):
     __slots__ = ("requests",)

@@ -20,6 +20,10 @@ of the line (there are no trailing comments, so a secret may contain `#`). Keys:
     node1.persistenceDir=... / node1.streamingHADir=...   per-node overrides
     node1.metricsPort=9101                            optional: Prometheus /metrics and the
                                                       status page, bound on node1.host
+    node1.publishPort=8911                            optional: waited publishes over framed
+                                                      TCP (raftstore/publish_port.py), bound
+                                                      on node1.host; clients reach it on the
+                                                      host they dial. Plaintext: not with TLS
     streamingPreferredLeaders=2:node1,3:node2         optional: a group's leader moves back
                                                       to its preferred node when that is healthy
     tlsCertFile=... tlsKeyFile=... tlsCAFile=...      optional, global or per node (`<ALIAS>`
@@ -116,6 +120,7 @@ FIELD_RAFT_PORTS: Final = "raftPorts"
 FIELD_ADVERTISED_HOST: Final = "advertisedHost"
 FIELD_ADVERTISED_PORT: Final = "advertisedPort"
 FIELD_METRICS_PORT: Final = "metricsPort"
+FIELD_PUBLISH_PORT: Final = "publishPort"
 NODE_FIELDS: Final = (
     FIELD_HOST,
     FIELD_PORT,
@@ -125,6 +130,7 @@ NODE_FIELDS: Final = (
     KEY_PERSISTENCE_DIR,
     KEY_HA_DIR,
     FIELD_METRICS_PORT,
+    FIELD_PUBLISH_PORT,
     *TLS_FILE_KEYS,
 )
 
@@ -165,6 +171,8 @@ class NodeConfig:
     ha_dir: Path  # absolute, <ALIAS> substituted
     # Prometheus metrics and the status page (HTTP, on `host`); None: not served.
     metrics_port: int | None = None
+    # The publish port (publish_port.py, on `host`); None: not served.
+    publish_port: int | None = None
     # TLS on the client port (and on the calls to its peers); None: plaintext.
     tls: NodeTls | None = None
 
@@ -369,6 +377,8 @@ def render(cluster: ClusterConfig) -> str:
             lines.append(f"{node.alias}.{KEY_HA_DIR}={_renderable(str(node.ha_dir))}")
         if node.metrics_port is not None:
             lines.append(f"{node.alias}.{FIELD_METRICS_PORT}={node.metrics_port}")
+        if node.publish_port is not None:
+            lines.append(f"{node.alias}.{FIELD_PUBLISH_PORT}={node.publish_port}")
         if node.tls is not None:
             lines.append(f"{node.alias}.{KEY_TLS_CERT}={_renderable(str(node.tls.cert_file))}")
             lines.append(f"{node.alias}.{KEY_TLS_KEY}={_renderable(str(node.tls.key_file))}")
@@ -703,13 +713,16 @@ def _parse_node(
     advertised_host, advertised_port = _parse_advertised(where, alias, fields, host, port)
     persistence_dir = _node_dir(where, base_dir, alias, KEY_PERSISTENCE_DIR, fields, global_values)
     ha_dir = _node_dir(where, base_dir, alias, KEY_HA_DIR, fields, global_values)
-    metrics_text = fields.get(FIELD_METRICS_PORT)
-    metrics_key = f"{alias}.{FIELD_METRICS_PORT}"
-    metrics_port = (
-        None
-        if metrics_text is None
-        else _parse_port(where, metrics_key, metrics_text, metrics_text)
-    )
+    metrics_port = _optional_port(where, alias, FIELD_METRICS_PORT, fields)
+    publish_port = _optional_port(where, alias, FIELD_PUBLISH_PORT, fields)
+    tls = _parse_tls(where, base_dir, alias, fields, global_values)
+    if publish_port is not None and tls is not None:
+        raise ConfigError(
+            where,
+            f"{alias}.{FIELD_PUBLISH_PORT}",
+            str(publish_port),
+            "the publish port is plaintext; a node with TLS serves publishes on its gRPC port",
+        )
     return NodeConfig(
         alias=alias,
         host=host,
@@ -720,8 +733,14 @@ def _parse_node(
         persistence_dir=persistence_dir,
         ha_dir=ha_dir,
         metrics_port=metrics_port,
-        tls=_parse_tls(where, base_dir, alias, fields, global_values),
+        publish_port=publish_port,
+        tls=tls,
     )
+
+
+def _optional_port(where: str, alias: str, field_name: str, fields: dict[str, str]) -> int | None:
+    text = fields.get(field_name)
+    return None if text is None else _parse_port(where, f"{alias}.{field_name}", text, text)
 
 
 def _parse_tls(
@@ -862,16 +881,20 @@ def _node_dir(
 
 
 def _check_ports_unique(where: str, nodes: tuple[NodeConfig, ...]) -> None:
-    """No two endpoints (client, Raft or metrics, any node) on one host share a port."""
+    """No two endpoints (client, Raft, metrics or publish, any node) on one host share a
+    port."""
     owners: dict[tuple[str, int], str] = {}
     for node in nodes:
         endpoints = [(f"{node.alias}.{FIELD_PORT}", node.port, str(node.port))]
         raft_text = ",".join(f"{group}:{port}" for group, port in node.raft_ports)
         raft_key = f"{node.alias}.{FIELD_RAFT_PORTS}"
         endpoints += [(raft_key, port, raft_text) for _, port in node.raft_ports]
-        if node.metrics_port is not None:
-            metrics_key = f"{node.alias}.{FIELD_METRICS_PORT}"
-            endpoints.append((metrics_key, node.metrics_port, str(node.metrics_port)))
+        for field_name, optional in (
+            (FIELD_METRICS_PORT, node.metrics_port),
+            (FIELD_PUBLISH_PORT, node.publish_port),
+        ):
+            if optional is not None:
+                endpoints.append((f"{node.alias}.{field_name}", optional, str(optional)))
         for key, port, value in endpoints:
             slot = (node.host.lower(), port)
             if slot in owners:

@@ -195,6 +195,9 @@ STREAMS_MAX: Final = 256
 # Persisted consumer offsets (topics) per group: each lives in every checkpoint.
 TOPICS_PER_GROUP_MAX: Final = 10_000
 STREAMS_PER_CONNECTION_MAX: Final = 100
+# Connections to a node's publish port (publish_port.py), one thread each, each holding at
+# most one frame (hastream.publish_frames.FRAME_BYTES_MAX, ~4 MiB) in memory.
+PUBLISH_PORT_CONNECTIONS_MAX: Final = 64
 UNARY_WORKERS: Final = 60
 assert STREAMS_PER_CONNECTION_MAX <= STREAMS_MAX
 

@@ -48,6 +48,7 @@ from raftstore.leadership import PreferredLeader, hand_over
 from raftstore.local_replica import LOCAL_ADDRESS, LocalReplica
 from raftstore.peer_auth import PeerSigner, PeerVerifier, peer_key
 from raftstore.peers import PeerClient
+from raftstore.publish_port import PublishPort
 from raftstore.replica import RoleSignal
 from raftstore.replication import RaftReplica, RaftSettings
 from raftstore.retention import Retention
@@ -140,6 +141,7 @@ class Node:
         for service in HEALTH_SERVICES:
             self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._status_server: StatusServer | None = None
+        self._publish_port: PublishPort | None = None
         self._preferred = PreferredLeader(
             alias,
             {
@@ -187,6 +189,7 @@ class Node:
             self._start_raft_group(group_config.group_id)
         self.catalog = self._build_catalog()
         self._start_server()
+        self._start_publish_port()
         self._start_status_server()
         self._threads.start("housekeeping", self._housekeeping)
         self._threads.start("malloc-trim", lambda: allocator.trim_until(self._stopping))
@@ -413,6 +416,25 @@ class Node:
         self._status_server.start()
         log.info("metrics and status page on http://%s:%d/", self.config.host, port)
 
+    def _start_publish_port(self) -> None:
+        port = self.config.publish_port
+        if port is None:
+            return
+        self._publish_port = PublishPort(
+            self,
+            self.config.host,
+            port,
+            spawn=self._threads.start,
+            connections_max=limits.PUBLISH_PORT_CONNECTIONS_MAX,
+        )
+        self._publish_port.start()
+        log.info("publish port on %s:%d", self.config.host, port)
+
+    @property
+    def publish_port(self) -> int:
+        """The port clients may publish on (publish_port.py); 0 when not served."""
+        return 0 if self._publish_port is None else self._publish_port.port
+
     def _start_server(self) -> None:
         tls = self.config.tls
         credentials = (
@@ -472,6 +494,8 @@ class Node:
             hand_over(self.groups(), limits.SHUTDOWN_TRANSFER_TIMEOUT_S, self._threads.start)
         if self._status_server is not None:
             self._status_server.close()
+        if self._publish_port is not None:
+            self._publish_port.close()
         if self._server is not None:
             self._server.stop(grace=2).wait()
         for group in self._groups.values():

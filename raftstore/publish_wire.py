@@ -64,7 +64,7 @@ class PublishView:
     sequence: int
 
 
-def parse_publish(data: bytes) -> PublishView:
+def parse_publish(data: bytes | memoryview) -> PublishView:
     """One serialized PublishRequest (a unary Publish call's request)."""
     view = memoryview(data)
     return _request(view, 0, len(view))

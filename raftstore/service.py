@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
 import grpc
@@ -76,6 +77,9 @@ class NodeView(Protocol):
     authenticator: Authenticator
     slow_consumers: SlowConsumers
 
+    @property
+    def publish_port(self) -> int: ...  # 0: none (publish_port.py)
+
     def groups(self) -> list[Group]: ...
 
     def ready(self) -> bool: ...
@@ -104,6 +108,55 @@ def _publish_answer(group: Group, pending: PendingPublish, started: float) -> pb
     if tracer.on:
         tracer.answered(lsn, started, trace.clock())
     return publish_response(lsn, result)
+
+
+@dataclass(frozen=True, slots=True)
+class StartedPublish:
+    """A unary publish handed to group commit: `future` completes once its entry is applied
+    (on the thread that applied it); `answer()` then makes the response, or raises the
+    publish's typed error (waiting for the future when called before)."""
+
+    future: futures.Future[Any]
+    answer: Callable[[], pb.PublishResponse]
+
+
+def begin_publish(
+    node: NodeView, request: publish_wire.PublishView, metadata: Iterable[tuple[str, str | bytes]]
+) -> StartedPublish:
+    """Checks a unary publish (the caller's right to write, the producer id, this node's
+    leadership, the rows) and hands it to group commit. Raises the typed error of a
+    refused request, with nothing queued. For gRPC's Publish and the publish port
+    (publish_port.py)."""
+    node.authenticator.require("Publish", metadata, commands.Privilege.TABLE_WRITE, request.table)
+    if request.producer_id and len(request.producer_id) != 16:
+        raise InvalidArgument("producer_id", "must be empty or exactly 16 bytes")
+    item = commands.AppendItem(
+        table=request.table,
+        producer_id=request.producer_id,
+        sequence=request.sequence,
+        payload=request.payload,
+    )
+    started = trace.clock()
+    group = group_of(node, request.table, leader_only=True)
+    pending = group.start_publish(item)
+    return StartedPublish(
+        pending.future, functools.partial(_publish_answer, group, pending, started)
+    )
+
+
+def _advertising(answer: Callable[[], pb.PublishResponse], port: int) -> pb.PublishResponse:
+    response = answer()
+    response.publish_port = port
+    return response
+
+
+def group_of(node: NodeView, table: str, *, leader_only: bool = False) -> Group:
+    return routing.group_of(
+        node.groups(),
+        table,
+        leader_only=leader_only,
+        owner_of=routing.owner_in(node.catalog.authoritative_claims),
+    )
 
 
 def _answering(context: grpc.ServicerContext, answer: Callable[[], Response]) -> Response:
@@ -336,12 +389,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     # --- routing ---
 
     def _group_of(self, table: str, *, leader_only: bool = False) -> Group:
-        return routing.group_of(
-            self._node.groups(),
-            table,
-            leader_only=leader_only,
-            owner_of=routing.owner_in(self._node.catalog.authoritative_claims),
-        )
+        return group_of(self._node, table, leader_only=leader_only)
 
     def _table_info(self, group: Group, view: TableView) -> pb.TableInfo:
         store = group.store(view.meta.table)
@@ -412,24 +460,16 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     def Publish(
         self, request: publish_wire.PublishView, context: Any
     ) -> pb.PublishResponse | grpc_unary.Deferred:
-        self._require(context, "Publish", commands.Privilege.TABLE_WRITE, request.table)
-        if request.producer_id and len(request.producer_id) != 16:
-            raise InvalidArgument("producer_id", "must be empty or exactly 16 bytes")
-        item = commands.AppendItem(
-            table=request.table,
-            producer_id=request.producer_id,
-            sequence=request.sequence,
-            payload=request.payload,
-        )
-        started = trace.clock()
-        group = self._group_of(request.table, leader_only=True)
-        pending = group.start_publish(item)
-        answer = functools.partial(_publish_answer, group, pending, started)
+        started = begin_publish(self._node, request, context.invocation_metadata())
+        answer = started.answer
+        if port := self._node.publish_port:
+            # Where this client's next waited publishes may go (api_clients/publish_port.py).
+            answer = functools.partial(_advertising, answer, port)
         if grpc_unary.defers():
             # Answered by the thread that applies the entry (the Raft tick's): no wake-up
             # of this worker between the commit and the answer.
             return grpc_unary.Deferred(
-                pending.future, functools.partial(_answering, context, answer)
+                started.future, functools.partial(_answering, context, answer)
             )
         return answer()
 

@@ -1,0 +1,236 @@
+"""Waited publishes over a node's publish port (raftstore/publish_port.py) instead of gRPC.
+
+A node that serves a publish port says so in every answer to a gRPC Publish
+(`PublishResponse.publish_port`); the session remembers it per site, and the next waited
+publishes to that site go over a plain TCP connection to the site's host and that port,
+framed as hastream/publish_frames.py describes: a Python gRPC call costs ~0.3 ms and ~300
+us of CPU on each side, the framed exchange ~20 us. Same request, same answer, same typed
+errors; the session's retry policy (call_policy) treats both transports alike.
+
+The port is an optimisation, never a requirement: when it cannot be dialled or does not
+greet like a publish port (a firewall, a published Docker port that maps only gRPC, some
+other service behind the number), nothing was sent, and the attempt goes over gRPC; the
+site's port is tried again after PORT_RETRY_S. Once a request was sent, a lost connection
+is the attempt's failure (SiteUnavailable, retried by the policy with the same producer id
+and sequence, so a publish that did commit is answered as a duplicate, not appended twice);
+no answer within the attempt's timeout is DeadlineExceeded. Plaintext only: a session with
+TLS never uses it (and a node with TLS does not serve one).
+
+Bounded: at most CONNECTIONS_PER_SITE_MAX connections per site (publishing threads beyond
+that go over gRPC), requests whose payload is over publish_frames.PAYLOAD_BYTES_MAX go over
+gRPC, and an answer frame is read only up to publish_frames.FRAME_BYTES_MAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from api_clients.transport import DeadlineExceeded, RpcFailed, SiteUnavailable
+from hastream import publish_frames as frames
+from hastream.errors import RaftStoreError
+from proto import hastream_pb2
+
+log = logging.getLogger(__name__)
+
+CONNECTIONS_PER_SITE_MAX: Final = 8
+# A port that could not be dialled, or did not greet, is tried again after this long.
+PORT_RETRY_S: Final = 30.0
+CONNECT_TIMEOUT_S: Final = 2.0
+
+
+class PortRefused(Exception):
+    """The site's publish port cannot be used now (nothing was sent): use gRPC."""
+
+
+@dataclass
+class _Site:
+    port: int = 0  # as the node said; 0: none known
+    retry_at: float = 0.0  # monotonic time before which the port is not dialled again
+    idle: list[socket.socket] = field(default_factory=list)
+    busy: set[socket.socket] = field(default_factory=set)
+
+
+class PublishPorts:
+    """One Session's publish-port connections. Thread-safe: a connection serves one
+    request at a time; publishing threads take idle ones or dial more, up to the bound."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._sites: dict[str, _Site] = {}
+        self._closed = False
+
+    def learn(self, site: str, port: int) -> None:
+        """`site` (host:port of its gRPC) serves publishes on `port` (0: it does not)."""
+        with self._lock:
+            known = self._sites.setdefault(site, _Site())
+            if known.port == port:
+                return
+            known.port, known.retry_at = port, 0.0
+            stale, known.idle = known.idle, []
+        for connection in stale:
+            _shut(connection)
+
+    def usable(self, site: str, payload_bytes: int) -> bool:
+        """Whether a publish of `payload_bytes` to `site` should try the port."""
+        if payload_bytes > frames.PAYLOAD_BYTES_MAX:
+            return False
+        with self._lock:
+            known = self._sites.get(site)
+            return (
+                not self._closed
+                and known is not None
+                and known.port != 0
+                and known.retry_at <= self._clock()
+            )
+
+    def publish(
+        self, site: str, request: hastream_pb2.PublishRequest, token: str, timeout_s: float
+    ) -> hastream_pb2.PublishResponse:
+        """Sends `request` over `site`'s publish port and waits for its answer. Raises
+        PortRefused when the port cannot be used (nothing sent: use gRPC), the node's
+        typed error, or SiteUnavailable / DeadlineExceeded / RpcFailed."""
+        connection = self._take(site, timeout_s)
+        healthy = False
+        try:
+            connection.settimeout(timeout_s)
+            parts = [b"", *frames.publish_body(token, request.SerializeToString())]
+            parts[0] = frames.header(frames.PUBLISH, sum(len(part) for part in parts))
+            try:
+                connection.sendall(b"".join(parts))
+                kind, body = _read_frame(connection, frames.FRAME_BYTES_MAX)
+            except TimeoutError:
+                raise DeadlineExceeded(site, timeout_s) from None
+            except (OSError, EOFError, frames.FrameError) as error:
+                raise SiteUnavailable(
+                    site, "UNAVAILABLE", f"publish port connection lost: {error}"
+                ) from None
+            if kind == frames.ANSWER:
+                healthy = True
+                response: hastream_pb2.PublishResponse = hastream_pb2.PublishResponse.FromString(
+                    body
+                )
+                return response
+            if kind == frames.ERROR:
+                typed = frames.parse_error(body)
+                if typed is None:
+                    raise RpcFailed(site, "UNKNOWN", f"publish port error: {body[:200]!r}")
+                # The node closes the connection after an error about the frame itself.
+                healthy = not _about_the_frame(typed)
+                raise typed
+            raise RpcFailed(site, "INTERNAL", f"publish port answered frame kind {kind}")
+        finally:
+            self._give_back(site, connection, healthy)
+
+    def drop(self, site: str) -> None:
+        """Closes `site`'s connections, idle and in use (a request waiting on one fails
+        SiteUnavailable at once): the session left a silent site."""
+        with self._lock:
+            known = self._sites.get(site)
+            connections = [] if known is None else [*known.idle, *known.busy]
+            if known is not None:
+                known.idle = []
+        for connection in connections:
+            _shut(connection)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            sites = list(self._sites)
+        for site in sites:
+            self.drop(site)
+
+    def _take(self, site: str, timeout_s: float) -> socket.socket:
+        with self._lock:
+            known = self._sites.get(site)
+            if self._closed or known is None or known.port == 0:
+                raise PortRefused(site)
+            if known.idle:
+                connection = known.idle.pop()
+                known.busy.add(connection)
+                return connection
+            if len(known.busy) >= CONNECTIONS_PER_SITE_MAX:
+                raise PortRefused(site)
+            port = known.port
+        connection = self._dial(site, port, min(timeout_s, CONNECT_TIMEOUT_S))
+        with self._lock:
+            known.busy.add(connection)
+        return connection
+
+    def _dial(self, site: str, port: int, timeout_s: float) -> socket.socket:
+        """A greeted connection to `site`'s host on `port`; PortRefused (and the port put
+        aside for PORT_RETRY_S) when there is none."""
+        host = site.rsplit(":", 1)[0]
+        try:
+            connection = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as error:
+            self._set_aside(site, port, f"cannot connect: {error}")
+            raise PortRefused(site) from None
+        try:
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connection.sendall(frames.header(frames.HELLO, len(frames.BANNER)) + frames.BANNER)
+            kind, body = _read_frame(connection, frames.HELLO_BYTES_MAX)
+            if kind != frames.HELLO or not body.startswith(frames.BANNER + b" "):
+                raise frames.FrameError(f"greeted with frame kind {kind}")
+        except (OSError, EOFError, frames.FrameError) as error:
+            _shut(connection)
+            self._set_aside(site, port, f"no publish port greeting: {error}")
+            raise PortRefused(site) from None
+        return connection
+
+    def _set_aside(self, site: str, port: int, reason: str) -> None:
+        log.info("publish port not used site=%s port=%d reason=%s", site, port, reason)
+        with self._lock:
+            known = self._sites.get(site)
+            if known is not None and known.port == port:
+                known.retry_at = self._clock() + PORT_RETRY_S
+
+    def _give_back(self, site: str, connection: socket.socket, healthy: bool) -> None:
+        with self._lock:
+            known = self._sites.get(site)
+            kept = known is not None and connection in known.busy
+            if kept:
+                assert known is not None
+                known.busy.discard(connection)
+                if healthy and not self._closed:
+                    known.idle.append(connection)
+                    return
+        _shut(connection)
+
+
+def _about_the_frame(error: RaftStoreError) -> bool:
+    return getattr(error, "argument", None) == "publish port frame"
+
+
+def _read_frame(connection: socket.socket, body_bytes_max: int) -> tuple[int, bytes]:
+    head = _read_exactly(connection, frames.HEADER.size)
+    kind, length = frames.parse_header(head, body_bytes_max)
+    return kind, _read_exactly(connection, length)
+
+
+def _read_exactly(connection: socket.socket, size: int) -> bytes:
+    """`size` bytes; EOFError when the node closed first."""
+    if size == 0:
+        return b""
+    chunks: list[bytes] = []
+    left = size
+    while left:
+        chunk = connection.recv(min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("the node closed the connection")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _shut(connection: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        connection.shutdown(socket.SHUT_RDWR)
+    connection.close()
