@@ -152,8 +152,11 @@ class PublishPorts:
             known = self._sites.get(site)
             if self._closed or known is None or known.port == 0:
                 raise PortRefused(site)
-            if known.idle:
+            while known.idle:
                 connection = known.idle.pop()
+                if _closed_by_node(connection):  # idle too long, or the node restarted
+                    _shut(connection)
+                    continue
                 known.busy.add(connection)
                 return connection
             if len(known.busy) >= CONNECTIONS_PER_SITE_MAX:
@@ -203,6 +206,19 @@ class PublishPorts:
                     known.idle.append(connection)
                     return
         _shut(connection)
+
+
+def _closed_by_node(connection: socket.socket) -> bool:
+    """Whether the node closed an idle connection (its FIN or RST has arrived): a request
+    sent on it would fail although the node is there."""
+    # Non-blocking: with a timeout set, CPython would first poll for up to that long.
+    connection.settimeout(0.0)
+    try:
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False  # open, nothing to read: as it should be between requests
+    except OSError:
+        return True
 
 
 def _about_the_frame(error: RaftStoreError) -> bool:

@@ -132,6 +132,23 @@ def _node_families(source: MetricsSource) -> Iterator[Metric]:
         "Replica digests that disagreed with the majority's (each starts a repair)",
         value=int(housekeeping.get("digest_mismatches", 0)),
     )
+    yield from _publish_port_families(housekeeping)
+
+
+def _publish_port_families(housekeeping: dict[str, Any]) -> Iterator[Metric]:
+    port = housekeeping.get("publish_port")
+    if port is None:
+        return
+    yield CounterMetricFamily(
+        "hastream_publish_port_publishes",
+        "Publishes answered on the publish port (the rest of the waited ones came over gRPC)",
+        value=int(port["answered"]),
+    )
+    yield GaugeMetricFamily(
+        "hastream_publish_port_connections",
+        "Open connections to the publish port",
+        value=int(port["connections"]),
+    )
 
 
 def _raft_families(statuses: list[tuple[Group, dict[str, Any]]]) -> Iterator[Metric]:

@@ -321,6 +321,7 @@ class Node:
             "scrub": None if self._scrubber is None else self._scrubber.status(),
             "digest_comparisons": self._digests.comparisons,
             "digest_mismatches": self._digests.mismatches,
+            "publish_port": None if self._publish_port is None else self._publish_port.status(),
         }
 
     def group_statuses(self) -> list[dict[str, Any]]:

@@ -62,11 +62,6 @@ class PublishPort:
         self._thread: threading.Thread | None = None
         self._answered = 0
 
-    def answered(self) -> int:
-        """Publishes answered here (ANSWER frames) since start."""
-        with self._lock:
-            return self._answered
-
     @property
     def port(self) -> int:
         return int(self._listener.getsockname()[1])
@@ -86,9 +81,15 @@ class PublishPort:
         for connection in connections:
             _shut(connection)
 
-    def connection_count(self) -> int:
+    def status(self) -> dict[str, int]:
+        """The port, its open connections and the publishes it answered (GetNodeStatus,
+        /metrics)."""
         with self._lock:
-            return len(self._connections)
+            return {
+                "port": self.port,
+                "connections": len(self._connections),
+                "answered": self._answered,
+            }
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():

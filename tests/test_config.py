@@ -271,6 +271,7 @@ def clusters(draw: st.DrawFn) -> ClusterConfig:
                 persistence_dir=Path(base, "data"),
                 ha_dir=Path(base, "raft"),
                 metrics_port=next(ports) if draw(st.booleans()) else None,
+                publish_port=next(ports) if draw(st.booleans()) else None,
             )
         )
     return ClusterConfig(
@@ -586,6 +587,24 @@ def test_metrics_port_equal_to_a_client_port_on_one_host_is_refused() -> None:
 def test_bad_metrics_port_is_refused(port: str) -> None:
     error = refused(cfg(n2__metricsPort=port))
     assert error.key == "n2.metricsPort"
+
+
+def test_publish_port_is_optional_per_node_and_renders_back() -> None:
+    cluster = config.parse(cfg(n1__publishPort="8911", n2__publishPort="8912"), CFG_PATH)
+    assert [node.publish_port for node in cluster.nodes] == [8911, 8912, None]
+    assert config.parse(config.render(cluster), CFG_PATH) == cluster
+
+
+def test_publish_port_equal_to_another_port_on_one_host_is_refused() -> None:
+    error = refused(cfg(n1__metricsPort="9101", n2__publishPort="9101"))
+    assert (error.key, error.value) == ("n2.publishPort", "9101")
+    assert "n1.metricsPort" in error.reason
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "x", ""])
+def test_bad_publish_port_is_refused(port: str) -> None:
+    error = refused(cfg(n3__publishPort=port))
+    assert error.key == "n3.publishPort"
 
 
 def test_preferred_leaders_name_a_member_per_group() -> None:

@@ -78,6 +78,11 @@ def test_tls_keys_are_global_or_per_node_and_render_back(tmp_path: Path) -> None
         ),
         ("tlsClientAuth=require\n", "tlsClientAuth", "needs TLS"),
         (
+            "tlsCertFile=a\ntlsKeyFile=b\ntlsCAFile=c\nnode2.publishPort=8912\n",
+            "node2.publishPort",
+            "publish port is plaintext",
+        ),
+        (
             "tlsCertFile=a\ntlsKeyFile=b\ntlsCAFile=c\ntlsClientAuth=optional\n",
             "tlsClientAuth",
             "none or require",

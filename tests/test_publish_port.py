@@ -1,0 +1,514 @@
+"""The publish port (raftstore/publish_port.py, api_clients/publish_port.py): waited publishes
+over framed TCP beside gRPC, on real node processes, with logins on.
+
+What it must keep of gRPC's Publish: the same answers and typed errors, the same checks
+(login, grant, schema, garbage: refused with nothing written), its own bounds (frame size,
+connections), and a client that falls back to gRPC whenever the port cannot be used and
+loses no acknowledged row when the leader is killed or frozen under it.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from api_clients.connection import Session, connect
+from api_clients.login import Login
+from api_clients.publish_port import PORT_RETRY_S, PortRefused, PublishPorts
+from api_clients.publisher import Publisher
+from api_clients.transport import SiteUnavailable
+from deploy.local_cluster import LocalCluster, ipc_stream, wait_until
+from hastream import publish_frames as frames
+from hastream.errors import (
+    InvalidArgument,
+    NotLeader,
+    Overloaded,
+    PermissionDenied,
+    RaftStoreError,
+    SchemaMismatch,
+    Unauthenticated,
+)
+from proto import hastream_pb2 as pb
+from raftstore import limits
+from tests.harness import ManualClock, assert_replicas_hold_exactly
+
+SCHEMA = pa.schema([("id", pa.int64()), ("sym", pa.string())])
+ADMIN_PASSWORD = "admin-password-for-port-tests"
+
+
+def rows(first: int, count: int) -> pa.Table:
+    return pa.table(
+        {"id": pa.array(range(first, first + count), pa.int64()), "sym": ["s"] * count},
+        schema=SCHEMA,
+    )
+
+
+# --- the frames (no cluster) ---------------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "error",
+    [
+        NotLeader("127.0.0.1:1:node2", 2),
+        Overloaded("publish port connections", 64),
+        SchemaMismatch("t", "column 'x' missing"),
+        Unauthenticated("no login token"),
+        InvalidArgument("publish port frame", "frame of 9 bytes > 5"),
+    ],
+)
+def test_an_error_frame_carries_the_typed_error_with_its_fields(error: RaftStoreError) -> None:
+    again = frames.parse_error(frames.error_body(error))
+    assert type(again) is type(error)
+    assert again.fields() == error.fields()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "body", [b"", b"{", b"[]", b'{"type": 1}', b'{"type": "Nope", "fields": {}}']
+)
+def test_an_error_frame_that_is_not_one_is_no_typed_error(body: bytes) -> None:
+    assert frames.parse_error(body) is None
+
+
+@pytest.mark.unit
+def test_headers_of_unknown_kinds_or_over_the_bound_are_refused() -> None:
+    assert frames.parse_header(frames.header(frames.PUBLISH, 10), 10) == (frames.PUBLISH, 10)
+    with pytest.raises(frames.FrameError, match="kind 9"):
+        frames.parse_header(frames.header(9, 1), 10)
+    with pytest.raises(frames.FrameError, match="11 bytes > 10"):
+        frames.parse_header(frames.header(frames.PUBLISH, 11), 10)
+
+
+@pytest.mark.unit
+def test_a_publish_body_splits_into_its_token_and_request() -> None:
+    body = b"".join(frames.publish_body("admin:1:2:ab", b"\x0a\x01t"))
+    token, request = frames.split_publish(body)
+    assert (token, bytes(request)) == ("admin:1:2:ab", b"\x0a\x01t")
+    with pytest.raises(frames.FrameError):
+        frames.publish_body("x" * (frames.TOKEN_BYTES_MAX + 1), b"")
+
+
+@pytest.mark.unit
+@given(st.binary(max_size=64))
+def test_any_bytes_as_a_publish_body_split_or_raise_frame_error(body: bytes) -> None:
+    try:
+        token, request = frames.split_publish(body)
+    except frames.FrameError:
+        return
+    assert len(token) <= frames.TOKEN_BYTES_MAX
+    assert frames.TOKEN_LENGTH.size + len(token) + len(request) == len(body)
+
+
+# --- the client's fallback (real sockets, no cluster) ----------------------------------
+
+
+def _request() -> pb.PublishRequest:
+    return pb.PublishRequest(table="t", payload=ipc_stream(rows(0, 1)))
+
+
+@pytest.mark.unit
+def test_a_port_nobody_listens_on_is_put_aside_and_tried_again_later() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        dead_port = probe.getsockname()[1]  # closed on leaving: nothing listens there
+    clock = ManualClock()
+    ports = PublishPorts(clock)
+    site = "127.0.0.1:1"
+    ports.learn(site, dead_port)
+    assert ports.usable(site, 100)
+    with pytest.raises(PortRefused):
+        ports.publish(site, _request(), "", timeout_s=2)
+    assert not ports.usable(site, 100)  # gRPC for PORT_RETRY_S
+    clock.now += PORT_RETRY_S
+    assert ports.usable(site, 100)
+    assert not ports.usable(site, frames.PAYLOAD_BYTES_MAX + 1)  # too big: always gRPC
+
+
+@pytest.mark.unit
+def test_a_service_that_does_not_greet_like_a_publish_port_is_not_used() -> None:
+    """Some other service behind the number (a published Docker port that maps elsewhere):
+    the client sends only its HELLO, and uses gRPC."""
+    received: list[bytes] = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def other_service() -> None:
+            connection, _ = server.accept()
+            with connection:
+                received.append(connection.recv(1024))
+                connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        thread = threading.Thread(target=other_service, daemon=True)
+        thread.start()
+        ports = PublishPorts(ManualClock())
+        ports.learn("127.0.0.1:1", server.getsockname()[1])
+        with pytest.raises(PortRefused):
+            ports.publish("127.0.0.1:1", _request(), "", timeout_s=2)
+        thread.join(timeout=5)
+    assert received == [frames.header(frames.HELLO, len(frames.BANNER)) + frames.BANNER]
+    assert not ports.usable("127.0.0.1:1", 100)
+
+
+# --- a real cluster, logins on -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    local = LocalCluster(tmp_path_factory.mktemp("publish-port"))
+    local.enable_authentication(ADMIN_PASSWORD)
+    local.start()
+    try:
+        local.leader(2)
+        yield local
+    finally:
+        local.stop()
+
+
+def _sites(cluster: LocalCluster) -> list[str]:
+    return [node.site for node in cluster.nodes.values()]
+
+
+def _login(cluster: LocalCluster, user: str, password: str) -> Session:
+    node = cluster.nodes["node1"]
+    return connect(node.host, node.port, user, password, highAvailabilitySites=_sites(cluster))
+
+
+def _port_status(cluster: LocalCluster, alias: str) -> dict[str, Any]:
+    status: dict[str, Any] = cluster.status(alias)["publish_port"]
+    return status
+
+
+def _answered(cluster: LocalCluster) -> int:
+    return sum(_port_status(cluster, alias)["answered"] for alias in cluster.alive())
+
+
+class _RawPort:
+    """A hand-made client of a node's publish port: frames exactly as given."""
+
+    def __init__(self, cluster: LocalCluster, alias: str) -> None:
+        port = _port_status(cluster, alias)["port"]
+        self.socket = socket.create_connection((cluster.nodes[alias].host, port), timeout=10)
+
+    def send(self, data: bytes) -> None:
+        self.socket.sendall(data)
+
+    def frame(self, kind: int, body: bytes) -> None:
+        self.send(frames.header(kind, len(body)) + body)
+
+    def hello(self) -> bytes:
+        self.frame(frames.HELLO, frames.BANNER)
+        kind, body = self.read()
+        assert kind == frames.HELLO
+        return body
+
+    def read(self) -> tuple[int, bytes]:
+        head = self._exactly(frames.HEADER.size)
+        kind, length = frames.parse_header(head, frames.FRAME_BYTES_MAX)
+        return kind, self._exactly(length)
+
+    def error(self) -> RaftStoreError:
+        kind, body = self.read()
+        assert kind == frames.ERROR, (kind, body[:100])
+        error = frames.parse_error(body)
+        assert error is not None, body
+        return error
+
+    def closed_by_node(self) -> bool:
+        try:
+            return self.socket.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def _exactly(self, size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = self.socket.recv(size - len(data))
+            assert chunk, "the node closed the connection"
+            data += chunk
+        return data
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def _publish_frame(token: str, request: pb.PublishRequest) -> bytes:
+    body = b"".join(frames.publish_body(token, request.SerializeToString()))
+    return frames.header(frames.PUBLISH, len(body)) + body
+
+
+@pytest.mark.cluster
+def test_waited_appends_go_over_the_port_after_the_first_and_land_once_everywhere(
+    cluster: LocalCluster,
+) -> None:
+    cluster.create_table("waited", SCHEMA)
+    before = _answered(cluster)
+    with _login(cluster, "admin", ADMIN_PASSWORD) as session:
+        publisher = Publisher(session, "waited")
+        results = [publisher.append(rows(key, 1)) for key in range(200)]
+        results.append(publisher.append(rows(200, 300)))
+    # The first went over gRPC (its answer named the port); every later one came by the port.
+    assert _answered(cluster) - before == 200
+    assert [result.first_offset for result in results[:200]] == list(range(200))
+    assert results[200].first_offset == 200
+    assert results[200].row_count == 300
+    assert_replicas_hold_exactly(cluster, "waited", list(range(500)))
+
+
+def _token(cluster: LocalCluster, user: str, password: str) -> str:
+    with grpc.insecure_channel(cluster.nodes["node1"].site) as channel:
+        return Login(user, password).log_in(channel)
+
+
+@pytest.mark.cluster
+def test_the_port_checks_logins_grants_and_rows_as_grpc_does(cluster: LocalCluster) -> None:
+    cluster.create_table("guarded", SCHEMA)
+    with _login(cluster, "admin", ADMIN_PASSWORD) as admin:
+        admin.createUser("port_reader", "port-reader-password")
+        admin.grant("port_reader", "TABLE_READ", "guarded")
+        publisher = Publisher(admin, "guarded")
+        publisher.append(rows(0, 1))  # over gRPC: the session learns the port
+        before = _answered(cluster)
+        publisher.append(rows(1, 1))  # over the port
+        assert _answered(cluster) == before + 1
+    leader = cluster.leader(2)
+    reader_token = _token(cluster, "port_reader", "port-reader-password")
+    admin_token = _token(cluster, "admin", ADMIN_PASSWORD)
+    payload = ipc_stream(rows(20, 1))
+    raw = _RawPort(cluster, leader)
+    try:
+        assert raw.hello() == frames.BANNER + b" " + leader.encode()
+        refused = {
+            "no token": ("", payload, Unauthenticated),
+            "a forged token": ("admin:1:9999999999999:00", payload, Unauthenticated),
+            "no grant": (reader_token, payload, PermissionDenied),
+            "another schema": (
+                admin_token,
+                ipc_stream(pa.table({"id": [1], "other": [2]})),
+                SchemaMismatch,
+            ),
+            "garbage rows": (admin_token, b"junk", InvalidArgument),
+        }
+        # A publish's own error leaves the connection usable: each next frame is read.
+        for case, (token, data, error) in refused.items():
+            raw.send(_publish_frame(token, pb.PublishRequest(table="guarded", payload=data)))
+            assert isinstance(raw.error(), error), case
+        garbage_request = b"\xff\xff\xff"  # not a protobuf message
+        body = b"".join(frames.publish_body(admin_token, garbage_request))
+        raw.frame(frames.PUBLISH, body)
+        assert isinstance(raw.error(), InvalidArgument)
+        raw.send(_publish_frame(admin_token, pb.PublishRequest(table="guarded", payload=payload)))
+        kind, answer = raw.read()
+        assert kind == frames.ANSWER
+        assert pb.PublishResponse.FromString(answer).first_offset == 2
+    finally:
+        raw.close()
+    assert_replicas_hold_exactly(cluster, "guarded", [0, 1, 20])
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # not this protocol at all
+        frames.header(frames.PUBLISH, 3) + b"abc",  # a PUBLISH before the HELLO
+        frames.header(frames.HELLO, frames.HELLO_BYTES_MAX + 1),  # an oversized greeting
+        frames.header(frames.HELLO, 6) + b"hello!",  # a wrong banner
+    ],
+    ids=["http", "no-hello", "oversized-hello", "wrong-banner"],
+)
+def test_garbage_before_the_greeting_is_refused_and_the_connection_closed(
+    cluster: LocalCluster, garbage: bytes
+) -> None:
+    leader = cluster.leader(2)
+    raw = _RawPort(cluster, leader)
+    try:
+        raw.send(garbage)
+        error = raw.error()
+        assert isinstance(error, InvalidArgument)
+        assert error.argument == "publish port frame"
+        assert raw.closed_by_node()
+    finally:
+        raw.close()
+
+
+@pytest.mark.cluster
+def test_garbage_after_the_greeting_writes_nothing_and_the_node_serves_on(
+    cluster: LocalCluster,
+) -> None:
+    cluster.create_table("garbage", SCHEMA)
+    leader = cluster.leader(2)
+    with _login(cluster, "admin", ADMIN_PASSWORD) as admin:
+        Publisher(admin, "garbage").append(rows(0, 1))
+    cases = [
+        frames.header(frames.PUBLISH, frames.FRAME_BYTES_MAX + 1),  # over the bound
+        frames.header(7, 0),  # an unknown kind
+        frames.header(frames.ANSWER, 0),  # a kind only nodes send
+        frames.header(frames.PUBLISH, 1) + b"\xff",  # shorter than its token length
+    ]
+    for garbage in cases:
+        raw = _RawPort(cluster, leader)
+        try:
+            raw.hello()
+            raw.send(garbage)
+            error = raw.error()
+            assert isinstance(error, InvalidArgument), garbage
+            assert raw.closed_by_node()
+        finally:
+            raw.close()
+    # A frame that ends half-way: the node drops the connection when the client does.
+    raw = _RawPort(cluster, leader)
+    raw.hello()
+    raw.send(frames.header(frames.PUBLISH, 1000) + b"x" * 10)
+    raw.close()
+    with _login(cluster, "admin", ADMIN_PASSWORD) as admin:
+        publisher = Publisher(admin, "garbage")
+        publisher.append(rows(1, 1))
+        publisher.append(rows(2, 1))
+    assert_replicas_hold_exactly(cluster, "garbage", [0, 1, 2])
+
+
+@pytest.mark.cluster
+def test_connections_over_the_bound_are_told_overloaded_and_publishes_go_over_grpc(
+    cluster: LocalCluster,
+) -> None:
+    cluster.create_table("crowded", SCHEMA)
+    leader = cluster.leader(2)
+    held: list[_RawPort] = []
+    try:
+        wait_until(
+            lambda: _port_status(cluster, leader)["connections"] == 0,
+            timeout_s=10,
+            message="earlier tests' connections closed",
+        )
+        for _ in range(limits.PUBLISH_PORT_CONNECTIONS_MAX):
+            held.append(_RawPort(cluster, leader))
+            held[-1].hello()
+        assert _port_status(cluster, leader)["connections"] == limits.PUBLISH_PORT_CONNECTIONS_MAX
+        extra = _RawPort(cluster, leader)
+        try:
+            error = extra.error()
+            assert isinstance(error, Overloaded)
+            assert error.limit == limits.PUBLISH_PORT_CONNECTIONS_MAX
+            assert extra.closed_by_node()
+        finally:
+            extra.close()
+        before = _answered(cluster)
+        with _login(cluster, "admin", ADMIN_PASSWORD) as admin:
+            publisher = Publisher(admin, "crowded")
+            for key in range(5):
+                publisher.append(rows(key, 1))
+        assert _answered(cluster) == before  # all five over gRPC
+    finally:
+        for raw in held:
+            raw.close()
+    wait_until(
+        lambda: _port_status(cluster, leader)["connections"] == 0,
+        timeout_s=10,
+        message="the node let go of the closed connections",
+    )
+    assert_replicas_hold_exactly(cluster, "crowded", list(range(5)))
+
+
+@pytest.mark.cluster
+def test_no_acknowledged_row_is_lost_when_the_leader_is_killed_then_frozen(
+    cluster: LocalCluster,
+) -> None:
+    """Waited one-row appends over the port while the leader is killed (-9), and, once it
+    is back, the next leader frozen (SIGSTOP): the publisher goes on through the others
+    (a frozen leader's connection is closed by the session's hedge), and
+    every row it was told is committed is on every replica once, in order."""
+    cluster.create_table("faults", SCHEMA)
+    acked: list[int] = []
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def publish() -> None:
+        with _login(cluster, "admin", ADMIN_PASSWORD) as session:
+            publisher = Publisher(session, "faults")
+            key = 0
+            while not stop.is_set():
+                try:
+                    publisher.append(rows(key, 1))
+                except RaftStoreError as error:  # the deadline passed: not acknowledged
+                    failures.append(error)
+                    continue
+                acked.append(key)
+                key += 1
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: len(acked) >= 200, timeout_s=60, message="appends flowing")
+        killed = cluster.leader(2)
+        cluster.kill(killed)
+        mark = len(acked)
+        wait_until(lambda: len(acked) >= mark + 200, timeout_s=60, message="appends resumed")
+        cluster.start_node(killed)  # a majority must be left when the leader freezes
+        frozen = cluster.leader(2)
+        cluster.signal(frozen, signal.SIGSTOP)
+        mark = len(acked)
+        wait_until(
+            lambda: len(acked) >= mark + 200, timeout_s=60, message="appends around the freeze"
+        )
+        cluster.signal(frozen, signal.SIGCONT)
+        mark = len(acked)
+        wait_until(lambda: len(acked) >= mark + 100, timeout_s=60, message="appends go on")
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+        for alias in cluster.nodes:
+            if alias in cluster.alive():
+                cluster.signal(alias, signal.SIGCONT)
+    assert not thread.is_alive()
+    assert not failures, failures[:3]
+    assert _answered(cluster) > 0
+    assert_replicas_hold_exactly(cluster, "faults", acked)
+
+
+@pytest.mark.cluster
+def test_a_session_over_a_port_that_goes_away_falls_back_to_grpc(cluster: LocalCluster) -> None:
+    """The node behind a site closes its port (it stops); a publish whose connection breaks
+    before an answer is retried over gRPC elsewhere without a duplicate."""
+    cluster.create_table("away", SCHEMA)
+    with _login(cluster, "admin", ADMIN_PASSWORD) as session:
+        publisher = Publisher(session, "away")
+        publisher.append(rows(0, 1))
+        publisher.append(rows(1, 1))
+        leader = cluster.leader(2)
+        assert cluster.terminate(leader) == 0
+        publisher.append(rows(2, 1))
+        cluster.start_node(leader)
+        publisher.append(rows(3, 1))
+    assert_replicas_hold_exactly(cluster, "away", [0, 1, 2, 3])
+
+
+@pytest.mark.unit
+def test_a_lost_connection_after_the_request_was_sent_is_site_unavailable() -> None:
+    """A port that greets and then drops the connection without an answer: the attempt
+    fails SiteUnavailable (the session's policy retries it under the same sequence)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def greet_then_drop() -> None:
+            connection, _ = server.accept()
+            with connection:
+                connection.recv(1024)
+                body = frames.BANNER + b" node9"
+                connection.sendall(frames.header(frames.HELLO, len(body)) + body)
+                connection.recv(1 << 16)
+
+        thread = threading.Thread(target=greet_then_drop, daemon=True)
+        thread.start()
+        ports = PublishPorts(ManualClock())
+        ports.learn("127.0.0.1:1", server.getsockname()[1])
+        with pytest.raises(SiteUnavailable, match="connection lost"):
+            ports.publish("127.0.0.1:1", _request(), "", timeout_s=5)
+        thread.join(timeout=5)
+    assert ports.usable("127.0.0.1:1", 100)  # the port itself is fine: dialled again
