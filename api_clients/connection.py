@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 DEADLINE_S_DEFAULT: Final = 30.0
 # One attempt may wait for a proposal to commit (wire.PROPOSAL_TIMEOUT_S) and then some.
 ATTEMPT_TIMEOUT_S_DEFAULT: Final = wire.PROPOSAL_TIMEOUT_S + 5.0
+# How long a session waits to hear whether a site serves a publish port (its node status).
+PORT_ASK_S: Final = 2.0
 SITES_MAX: Final = 64
 HEALTH_TIMEOUT_S: Final = 5.0
 
@@ -522,8 +524,38 @@ class Session:
         """Starts a streaming RPC on `site`, with no deadline unless `timeout_s` (a
         subscription is long-lived); `request` is a message, or an iterator of messages for
         a bidirectional call. Iterating the stream yields the responses and raises a failure
-        typed (see `api_clients.transport`); `cancel()` ends it."""
+        typed (see `api_clients.transport`); `cancel()` ends it. A PublishStream goes over
+        the site's publish port when it has one (api_clients/publish_port.py)."""
+        if self._ports is not None and method_name == "PublishStream" and timeout_s is None:
+            stream = self._port_stream(site, request)
+            if stream is not None:
+                return stream
         return transport.open_stream(self.stub(site), method_name, request, site, timeout_s)
+
+    def _port_stream(self, site: str, requests: Any) -> transport.Stream | None:
+        """A PublishStream over `site`'s publish port; None when it has none (or it cannot
+        be used now): nothing was sent. Whether the site has one is asked once (its node
+        status), as a pipeline, unlike waited publishes, sees no Publish answer first."""
+        assert self._ports is not None
+        if not self._ports.known(site):
+            try:
+                status = json.loads(
+                    transport.unary(
+                        self.stub(site), "GetNodeStatus", hastream_pb2.Empty(), site, PORT_ASK_S
+                    ).json
+                )
+            except (RaftStoreError, ValueError):
+                return None  # asked again at the next stream
+            self._ports.learn(site, int((status.get("publish_port") or {}).get("port", 0)))
+        if not self._ports.usable(site, 0):
+            return None
+        token = "" if self._login is None else self._login.token()
+        if token is None:
+            return None  # a login is due, which gRPC's interceptor makes
+        try:
+            return self._ports.open_stream(site, requests, token)
+        except PortRefused:
+            return None
 
     # -- admin calls (DolphinDB names) -----------------------------------------------
 

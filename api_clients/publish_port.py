@@ -1,24 +1,27 @@
-"""Waited publishes over a node's publish port (raftstore/publish_port.py) instead of gRPC.
+"""Publishes over a node's publish port (raftstore/publish_port.py) instead of gRPC.
 
 A node that serves a publish port says so in every answer to a gRPC Publish
-(`PublishResponse.publish_port`); the session remembers it per site, and the next waited
-publishes to that site go over a plain TCP connection to the site's host and that port,
-framed as hastream/publish_frames.py describes: a Python gRPC call costs ~0.3 ms and ~300
-us of CPU on each side, the framed exchange ~20 us. Same request, same answer, same typed
-errors; the session's retry policy (call_policy) treats both transports alike.
+(`PublishResponse.publish_port`) and in its status; the session remembers it per site,
+and the next publishes to that site go over a plain TCP connection to the site's host and
+that port, framed as hastream/publish_frames.py describes: a Python gRPC call costs ~0.3
+ms and ~300 us of CPU on each side, the framed exchange ~20 us. Waited publishes share a
+few pooled connections (`publish`); a pipeline's PublishStream takes a connection of its
+own for as long as it runs (`open_stream`, `PortStream`, used as gRPC's stream is). Same
+requests, same answers, same typed errors; the session's retry policy (call_policy) and
+the pipeline's (pipeline.py) treat both transports alike.
 
 The port is an optimisation, never a requirement: when it cannot be dialled or does not
 greet like a publish port (a firewall, a published Docker port that maps only gRPC, some
 other service behind the number), nothing was sent, and the attempt goes over gRPC; the
 site's port is tried again after PORT_RETRY_S. Once a request was sent, a lost connection
-is the attempt's failure (SiteUnavailable, retried by the policy with the same producer id
-and sequence, so a publish that did commit is answered as a duplicate, not appended twice);
-no answer within the attempt's timeout is DeadlineExceeded. Plaintext only: a session with
-TLS never uses it (and a node with TLS does not serve one).
+is the attempt's failure (SiteUnavailable or StreamBroken, retried with the same producer
+id and sequence, so a publish that did commit is answered as a duplicate, not appended
+twice); no answer within a waited attempt's timeout is DeadlineExceeded. Plaintext only:
+a session with TLS never uses it (and a node with TLS does not serve one).
 
-Bounded: at most CONNECTIONS_PER_SITE_MAX connections per site (publishing threads beyond
-that go over gRPC), requests whose payload is over publish_frames.PAYLOAD_BYTES_MAX go over
-gRPC, and an answer frame is read only up to publish_frames.FRAME_BYTES_MAX.
+Bounded: at most CONNECTIONS_PER_SITE_MAX connections per site, pooled and streams
+together (beyond them, gRPC), and a frame is read only up to
+publish_frames.FRAME_BYTES_MAX.
 """
 
 from __future__ import annotations
@@ -28,11 +31,17 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
-from api_clients.transport import DeadlineExceeded, RpcFailed, SiteUnavailable
+from api_clients.transport import (
+    DeadlineExceeded,
+    RpcFailed,
+    SiteUnavailable,
+    Stream,
+    StreamBroken,
+)
 from hastream import publish_frames as frames
 from hastream.errors import RaftStoreError
 from proto import hastream_pb2
@@ -129,6 +138,32 @@ class PublishPorts:
         finally:
             self._give_back(site, connection, healthy)
 
+    def known(self, site: str) -> bool:
+        """Whether the session knows if `site` serves a publish port (either way)."""
+        with self._lock:
+            return site in self._sites
+
+    def open_stream(
+        self, site: str, requests: Iterator[hastream_pb2.PublishBatch], token: str
+    ) -> PortStream:
+        """A PublishStream call over `site`'s publish port, on a connection of its own
+        (counted with the site's others until the stream ends). Raises PortRefused when
+        the port cannot be used: nothing was sent, use gRPC."""
+        connection = self._take(site, CONNECT_TIMEOUT_S, fresh=True)
+        try:
+            connection.settimeout(None)  # a stream waits for answers as long as it runs
+            body = frames.stream_body(token)
+            connection.sendall(frames.header(frames.STREAM, len(body)) + body)
+        except OSError:
+            self._give_back(site, connection, healthy=False)
+            raise PortRefused(site) from None
+        return PortStream(
+            connection,
+            site,
+            requests,
+            ended=lambda: self._give_back(site, connection, healthy=False),
+        )
+
     def drop(self, site: str) -> None:
         """Closes `site`'s connections, idle and in use (a request waiting on one fails
         SiteUnavailable at once): the session left a silent site."""
@@ -147,12 +182,12 @@ class PublishPorts:
         for site in sites:
             self.drop(site)
 
-    def _take(self, site: str, timeout_s: float) -> socket.socket:
+    def _take(self, site: str, timeout_s: float, *, fresh: bool = False) -> socket.socket:
         with self._lock:
             known = self._sites.get(site)
             if self._closed or known is None or known.port == 0:
                 raise PortRefused(site)
-            while known.idle:
+            while known.idle and not fresh:
                 connection = known.idle.pop()
                 if _closed_by_node(connection):  # idle too long, or the node restarted
                     _shut(connection)
@@ -206,6 +241,62 @@ class PublishPorts:
                     known.idle.append(connection)
                     return
         _shut(connection)
+
+
+class PortStream(Stream):
+    """A PublishStream call over a publish port, used as gRPC's (transport.Stream):
+    iterating yields the PublishAcks and raises the call's typed failure; `cancel()`, from
+    any thread, ends it. A sender thread writes the requests' BATCH frames (as gRPC's own
+    thread pulls a request iterator) and half-closes after the last."""
+
+    def __init__(
+        self,
+        connection: socket.socket,
+        site: str,
+        requests: Iterator[hastream_pb2.PublishBatch],
+        *,
+        ended: Callable[[], None],
+    ) -> None:
+        super().__init__(None, site, None)
+        self._connection = connection
+        self._ended = ended
+        self._sender = threading.Thread(
+            target=self._send, args=(requests,), name="publish-port-stream", daemon=True
+        )
+        self._sender.start()
+
+    def _send(self, requests: Iterator[hastream_pb2.PublishBatch]) -> None:
+        try:
+            for batch in requests:
+                body = batch.SerializeToString()
+                self._connection.sendall(frames.header(frames.BATCH, len(body)) + body)
+            self._connection.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the connection ended: the reader says how
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            while True:
+                try:
+                    kind, body = _read_frame(self._connection, frames.FRAME_BYTES_MAX)
+                except EOFError:
+                    return  # the node answered everything after our half-close
+                except (OSError, frames.FrameError) as error:
+                    raise StreamBroken(self.site, f"publish port stream: {error}") from None
+                if kind == frames.ACKS:
+                    yield hastream_pb2.PublishAcks.FromString(body)
+                elif kind == frames.ERROR:
+                    typed = frames.parse_error(body)
+                    if typed is None:
+                        raise RpcFailed(self.site, "UNKNOWN", f"publish port: {body[:200]!r}")
+                    raise typed
+                else:
+                    raise StreamBroken(self.site, f"publish port sent frame kind {kind}")
+        finally:
+            self._ended()
+
+    def cancel(self) -> None:
+        _shut(self._connection)
 
 
 def _closed_by_node(connection: socket.socket) -> bool:

@@ -4,9 +4,9 @@ client (api_clients/publish_port.py).
 A waited publish over gRPC costs ~0.3 ms of latency and ~300 us of CPU on each side in
 Python's gRPC alone (an echo call, docs/benchmark.md); the same exchange over a plain TCP
 connection with a length-prefixed frame costs ~17 us and ~16 us. The publish port carries
-only that one exchange: a PublishRequest in, a PublishResponse or the node's typed error
-out, one at a time per connection. Everything else (and pipelined publishing) stays on
-gRPC.
+the two publish exchanges and nothing else: a unary publish (a PublishRequest in, its
+PublishResponse or typed error out), or a pipelined stream (PublishStream's PublishBatch
+messages in, its PublishAcks out). Every other call stays on gRPC.
 
 A frame is a 5-byte header, the body's length (little-endian u32) and its kind (u8), then
 the body:
@@ -17,21 +17,27 @@ the body:
     PUBLISH  client -> node: the login token's length (u16) and its ASCII bytes (empty
              when the cluster runs without logins), then a serialized PublishRequest.
     ANSWER   node -> client: a serialized PublishResponse.
+    STREAM   client -> node: the login token as in PUBLISH, nothing after it. The rest of
+             the connection is one PublishStream call: BATCH frames in, ACKS frames out;
+             the client half-closes (shutdown SHUT_WR) once it sent its last BATCH, and
+             the node closes once it answered them all, or after an ERROR that ends the
+             stream (as gRPC's PublishStream ends with its status; raftstore/pipeline.py).
+    BATCH    client -> node: a serialized PublishBatch.
+    ACKS     node -> client: a serialized PublishAcks.
     ERROR    node -> client: the typed error as JSON, {"type": ..., "fields": {...}}
              (what errors.to_wire puts in gRPC's trailing metadata). After an error
-             about the frame itself (garbage, a body over FRAME_BYTES_MAX, a wrong
-             kind) the node closes the
-             connection; after a publish's own error (NotLeader, SchemaMismatch,
-             Unauthenticated...) the connection stays usable.
+             about the frame itself (garbage, a body over its bound, a wrong kind) the
+             node closes the connection; after a unary publish's own error (NotLeader,
+             SchemaMismatch, Unauthenticated...) the connection stays usable.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
 from typing import Final
 
+from hastream import wire
 from hastream.errors import WIRE_FIELDS_KEY, WIRE_TYPE_KEY, RaftStoreError, from_wire
 
 HEADER: Final = struct.Struct("<IB")
@@ -42,13 +48,17 @@ HELLO: Final = 1
 PUBLISH: Final = 2
 ANSWER: Final = 3
 ERROR: Final = 4
-KINDS: Final = frozenset((HELLO, PUBLISH, ANSWER, ERROR))
+STREAM: Final = 5
+BATCH: Final = 6
+ACKS: Final = 7
+KINDS: Final = frozenset((HELLO, PUBLISH, ANSWER, ERROR, STREAM, BATCH, ACKS))
 
-# A request's payload over this goes over gRPC instead: the port reads a whole frame into
-# memory before it looks at it, so its frames stay small (connections x this bounds it).
-PAYLOAD_BYTES_MAX: Final = 4 * 1024 * 1024
-# The payload, the token, the table name, the producer id and protobuf's field headers.
-FRAME_BYTES_MAX: Final = PAYLOAD_BYTES_MAX + 8 * 1024
+# The bound of a gRPC message, for the same messages: a request's payload is at most
+# wire.BATCH_BYTES_MAX (the client splits bigger data), a PublishBatch packs requests up
+# to that, and the rest is the token and protobuf's fields. The node reads a whole frame
+# before it looks at it: connections x this bounds what the port holds.
+FRAME_BYTES_MAX: Final = wire.GRPC_MESSAGE_BYTES_MAX
+PAYLOAD_BYTES_MAX: Final = wire.BATCH_BYTES_MAX
 HELLO_BYTES_MAX: Final = 256
 TOKEN_BYTES_MAX: Final = 1024
 
@@ -59,12 +69,6 @@ class FrameError(ValueError):
     def __init__(self, detail: str) -> None:
         super().__init__(f"publish port: {detail}")
         self.detail = detail
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    kind: int
-    body: bytes
 
 
 def header(kind: int, body_bytes: int) -> bytes:
@@ -88,6 +92,11 @@ def publish_body(token: str, request: bytes) -> list[bytes]:
     if len(encoded) > TOKEN_BYTES_MAX:
         raise FrameError(f"login token of {len(encoded)} bytes > {TOKEN_BYTES_MAX}")
     return [TOKEN_LENGTH.pack(len(encoded)), encoded, request]
+
+
+def stream_body(token: str) -> bytes:
+    """A STREAM body: the token alone."""
+    return b"".join(publish_body(token, b""))
 
 
 def split_publish(body: bytes) -> tuple[str, memoryview]:

@@ -1,19 +1,26 @@
-"""The publish port: waited publishes over framed TCP, beside the gRPC port.
+"""The publish port: publishes over framed TCP, beside the gRPC port.
 
 A waited one-row publish spends about a third of its CPU, and ~0.3 ms of its latency, in
 Python's gRPC (the client's call and the node's serving thread and worker; bench
-thread_costs). Here the same request (a serialized PublishRequest, checked by the same
-`service.begin_publish`) arrives on a plain connection, framed as hastream/publish_frames.py
-describes, and is answered on it: one thread per connection reads a request, hands it to
-group commit, waits for its answer and writes it back. Nothing else is served here; a
-client learns the port from a gRPC Publish's answer (`PublishResponse.publish_port`) and
-falls back to gRPC whenever the port does not answer (api_clients/publish_port.py).
+thread_costs). Here the same requests arrive on a plain connection, framed as
+hastream/publish_frames.py describes, and are answered on it, with one thread per
+connection:
+- a unary publish (PUBLISH): checked by the same `service.begin_publish` as gRPC's
+  Publish, handed to group commit; the thread waits for its answer and writes it back;
+- a pipelined stream (STREAM, then BATCH frames): served by the same
+  `raftstore/pipeline.PublishStream` as gRPC's PublishStream (its reader thread takes the
+  BATCH frames, this thread writes the ACKS), for the rest of the connection.
+Nothing else is served here. A client learns the port from a gRPC Publish's answer
+(`PublishResponse.publish_port`) or the node's status, and falls back to gRPC whenever
+the port does not answer (api_clients/publish_port.py).
 
 Bounded: at most `connections_max` connections (one more is told Overloaded and closed),
-frames of at most publish_frames.FRAME_BYTES_MAX, a connection idle for IDLE_TIMEOUT_S (or
-a frame that stops arriving half-way) is closed. Garbage gets an InvalidArgument frame and
-the connection is closed; nothing reaches group commit unless it parsed. Plaintext: a node
-with TLS on its client port does not open one (config.py refuses `publishPort` then).
+frames of at most publish_frames.FRAME_BYTES_MAX (gRPC's message bound), a stream's
+requests in flight as PublishStream bounds them, and a connection idle for
+IDLE_TIMEOUT_S (or a frame that stops arriving half-way) is closed. Garbage gets an
+InvalidArgument frame and the connection is closed; nothing reaches group commit unless
+it parsed. Plaintext: a node with TLS on its client port does not open one (config.py
+refuses `publishPort` then).
 """
 
 from __future__ import annotations
@@ -22,14 +29,22 @@ import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
 
 from hastream import publish_frames as frames
 from hastream.errors import InvalidArgument, Overloaded, RaftStoreError
 from raftstore import publish_wire
 from raftstore.auth import TOKEN_METADATA_KEY
-from raftstore.service import NodeView, StartedPublish, begin_publish
+from raftstore.pipeline import StreamedPublish
+from raftstore.service import (
+    NodeView,
+    StartedPublish,
+    begin_publish,
+    open_publish_stream,
+    publish_acks,
+    streamed,
+)
 from raftstore.threads import Spawn
 
 log = logging.getLogger(__name__)
@@ -131,6 +146,9 @@ class PublishPort:
             connection.settimeout(IDLE_TIMEOUT_S)
             while not self._closed.is_set():
                 kind, body = _read_frame(read, frames.FRAME_BYTES_MAX)
+                if kind == frames.STREAM:
+                    self._stream(connection, read, body)
+                    return  # a stream is the rest of its connection
                 if kind != frames.PUBLISH:
                     raise frames.FrameError(f"frame kind {kind} where a PUBLISH was expected")
                 self._answer(connection, body)
@@ -163,6 +181,37 @@ class PublishPort:
             return
         connection.sendall(self._answer_frame(started))
 
+    def _stream(self, connection: socket.socket, read: Callable[[int], bytes], body: bytes) -> None:
+        """One PublishStream call on this connection (publish_frames' STREAM), served by
+        raftstore/pipeline.py as gRPC's is: its reader thread takes the BATCH frames, this
+        thread sends the ACKS frames, then the error that ends the stream, if one does."""
+        token, rest = frames.split_publish(body)
+        if rest:
+            raise frames.FrameError("a STREAM frame carries the token alone")
+        metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
+        garbage: list[frames.FrameError] = []  # what the reader thread found, if anything
+        try:
+            stream = open_publish_stream(
+                self._node,
+                metadata,
+                _batches(read, garbage),
+                is_active=lambda: not self._closed.is_set(),
+            )
+        except RaftStoreError as error:
+            _send(connection, frames.ERROR, frames.error_body(error))
+            return
+        try:
+            for acks in publish_acks(stream):
+                _send(connection, frames.ACKS, acks.SerializeToString())
+                with self._lock:
+                    self._answered += len(acks.responses)
+        except RaftStoreError as error:
+            _send(connection, frames.ERROR, frames.error_body(error))
+        finally:
+            stream.close()
+        if garbage:  # after the answers of the requests before it, as gRPC's status
+            raise garbage[0]
+
     def _answer_frame(self, started: StartedPublish) -> bytes:
         """The frame answering a publish once its entry was applied (or it failed)."""
         try:
@@ -172,6 +221,29 @@ class PublishPort:
         with self._lock:
             self._answered += 1
         return _frame(frames.ANSWER, response.SerializeToString())
+
+
+def _batches(
+    read: Callable[[int], bytes], garbage: list[frames.FrameError]
+) -> Iterator[list[StreamedPublish]]:
+    """A stream's requests, one BATCH frame at a time (on the stream's reader thread).
+    Ends when the client half-closes or leaves; a frame that is not a well-formed BATCH
+    ends it too, noted in `garbage` for the connection's thread to answer."""
+    while True:
+        try:
+            kind, body = _read_frame(read, frames.FRAME_BYTES_MAX)
+            if kind != frames.BATCH:
+                raise frames.FrameError(f"frame kind {kind} inside a publish stream")
+            try:
+                requests = publish_wire.parse_publish_batch(body)
+            except publish_wire.WireError as error:
+                raise frames.FrameError(error.detail) from None
+        except frames.FrameError as error:
+            garbage.append(error)
+            return
+        except (OSError, EOFError):
+            return  # half-closed (EOF) or gone: the answers of what was read still go out
+        yield streamed(requests)
 
 
 def _frame(kind: int, body: bytes) -> bytes:

@@ -321,6 +321,47 @@ def publish_response(lsn: int, result: ItemResult, sequence: int = 0) -> pb.Publ
     )
 
 
+def open_publish_stream(
+    node: NodeView,
+    metadata: Iterable[tuple[str, str | bytes]],
+    messages: Iterator[list[StreamedPublish]],
+    *,
+    is_active: Callable[[], bool],
+) -> PublishStream:
+    """A PublishStream call of the caller `metadata` names (Unauthenticated otherwise),
+    each table checked against its grants as its requests arrive. For gRPC's PublishStream
+    and the publish port's streams (publish_port.py)."""
+    authenticator = node.authenticator
+    principal = authenticator.principal("PublishStream", metadata)
+
+    def route(table: str) -> Group:
+        authenticator.check(principal, commands.Privilege.TABLE_WRITE, table)
+        return group_of(node, table, leader_only=True)
+
+    return PublishStream(messages, route=route, is_active=is_active)
+
+
+def publish_acks(stream: PublishStream) -> Iterator[pb.PublishAcks]:
+    """The stream's answers as PublishAcks messages; raises the error that ends it."""
+    for acks in stream.responses():
+        yield pb.PublishAcks(
+            responses=[publish_response(a.lsn, a.result, a.sequence) for a in acks]
+        )
+
+
+def streamed(requests: list[publish_wire.PublishView]) -> list[StreamedPublish]:
+    """One PublishBatch's requests (read by publish_wire) as the domain's."""
+    return [
+        StreamedPublish(
+            table=request.table,
+            producer_id=request.producer_id,
+            sequence=request.sequence,
+            payload=request.payload,
+        )
+        for request in requests
+    ]
+
+
 def _streamed_publishes(
     messages: Iterator[list[publish_wire.PublishView]],
 ) -> Iterator[list[StreamedPublish]]:
@@ -329,15 +370,7 @@ def _streamed_publishes(
     the reader (cancelled, aborted)."""
     try:
         for requests in messages:
-            yield [
-                StreamedPublish(
-                    table=request.table,
-                    producer_id=request.producer_id,
-                    sequence=request.sequence,
-                    payload=request.payload,
-                )
-                for request in requests
-            ]
+            yield streamed(requests)
     except grpc.RpcError as error:
         log.debug("publish stream ended while reading error=%r", error)
 
@@ -477,23 +510,14 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
     def PublishStream(
         self, request_iterator: Iterator[list[publish_wire.PublishView]], context: Any
     ) -> Iterator[pb.PublishAcks]:
-        principal = self._principal(context, "PublishStream")
-        authenticator = self._node.authenticator
-
-        def route(table: str) -> Group:
-            authenticator.check(principal, commands.Privilege.TABLE_WRITE, table)
-            return self._group_of(table, leader_only=True)
-
-        stream = PublishStream(
+        stream = open_publish_stream(
+            self._node,
+            context.invocation_metadata(),
             _streamed_publishes(request_iterator),
-            route=route,
             is_active=context.is_active,
         )
         try:
-            for acks in stream.responses():
-                yield pb.PublishAcks(
-                    responses=[publish_response(a.lsn, a.result, a.sequence) for a in acks]
-                )
+            yield from publish_acks(stream)
         finally:
             stream.close()
 

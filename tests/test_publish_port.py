@@ -512,3 +512,161 @@ def test_a_lost_connection_after_the_request_was_sent_is_site_unavailable() -> N
             ports.publish("127.0.0.1:1", _request(), "", timeout_s=5)
         thread.join(timeout=5)
     assert ports.usable("127.0.0.1:1", 100)  # the port itself is fine: dialled again
+
+
+# --- pipelined publishing (PublishStream) over the port ---------------------------------
+
+
+def _batch_frame(*requests: pb.PublishRequest) -> bytes:
+    body = pb.PublishBatch(requests=list(requests)).SerializeToString()
+    return frames.header(frames.BATCH, len(body)) + body
+
+
+def _stream_frame(token: str) -> bytes:
+    body = frames.stream_body(token)
+    return frames.header(frames.STREAM, len(body)) + body
+
+
+@pytest.mark.cluster
+def test_pipelined_appends_go_over_the_port_in_order_once(cluster: LocalCluster) -> None:
+    cluster.create_table("pipelined", SCHEMA)
+    before = _answered(cluster)
+    with _login(cluster, "admin", ADMIN_PASSWORD) as session:
+        publisher = Publisher(session, "pipelined", max_in_flight=16)
+        futures = [publisher.append_async(rows(key, 1)) for key in range(3000)]
+        futures.append(publisher.append_async(rows(3000, 2000)))
+        assert publisher.flush(60) == 0
+        offsets = [future.result().first_offset for future in futures]
+        publisher.close()
+    assert offsets[:3000] == list(range(3000))
+    assert offsets[3000] == 3000
+    assert _answered(cluster) > before  # the stream's requests were answered by the port
+    assert_replicas_hold_exactly(cluster, "pipelined", list(range(5000)))
+
+
+@pytest.mark.cluster
+def test_a_stream_on_the_port_checks_the_login_and_each_tables_grant(
+    cluster: LocalCluster,
+) -> None:
+    cluster.create_table("streamed", SCHEMA)
+    with _login(cluster, "admin", ADMIN_PASSWORD) as admin:
+        admin.createUser("stream_reader", "stream-reader-password")
+        admin.grant("stream_reader", "TABLE_READ", "streamed")
+    leader = cluster.leader(2)
+    reader_token = _token(cluster, "stream_reader", "stream-reader-password")
+    request = pb.PublishRequest(
+        table="streamed", payload=ipc_stream(rows(0, 1)), producer_id=b"p" * 16, sequence=1
+    )
+    for token, refused in (("", Unauthenticated), (reader_token, PermissionDenied)):
+        raw = _RawPort(cluster, leader)
+        try:
+            raw.hello()
+            raw.send(_stream_frame(token) + _batch_frame(request))
+            assert isinstance(raw.error(), refused)
+            assert raw.closed_by_node()
+        finally:
+            raw.close()
+    assert cluster.row_count(leader, "streamed") == 0
+
+
+@pytest.mark.cluster
+def test_garbage_inside_a_stream_ends_it_after_the_answers_before_it(
+    cluster: LocalCluster,
+) -> None:
+    cluster.create_table("stream_garbage", SCHEMA)
+    leader = cluster.leader(2)
+    token = _token(cluster, "admin", ADMIN_PASSWORD)
+    producer = b"g" * 16
+
+    def request(sequence: int) -> pb.PublishRequest:
+        payload = ipc_stream(rows(sequence, 1))
+        return pb.PublishRequest(
+            table="stream_garbage", payload=payload, producer_id=producer, sequence=sequence
+        )
+
+    garbage_frames = {
+        "not a PublishBatch": frames.header(frames.BATCH, 3) + b"\xff\xff\xff",
+        "a PUBLISH inside a stream": _publish_frame(token, request(9)),
+        "an unknown kind": frames.header(9, 0),
+    }
+    next_sequence = 1
+    for case, garbage in garbage_frames.items():
+        raw = _RawPort(cluster, leader)
+        try:
+            raw.hello()
+            raw.send(_stream_frame(token) + _batch_frame(request(next_sequence)) + garbage)
+            kind, body = raw.read()
+            assert kind == frames.ACKS, case
+            acks = pb.PublishAcks.FromString(body)
+            assert [ack.sequence for ack in acks.responses] == [next_sequence], case
+            error = raw.error()
+            assert isinstance(error, InvalidArgument), case
+            assert error.argument == "publish port frame", case
+            assert raw.closed_by_node(), case
+        finally:
+            raw.close()
+        next_sequence += 1
+    raw = _RawPort(cluster, leader)
+    try:
+        raw.hello()
+        raw.frame(frames.STREAM, frames.stream_body(token) + b"extra")  # the token alone
+        assert isinstance(raw.error(), InvalidArgument)
+        assert raw.closed_by_node()
+    finally:
+        raw.close()
+    assert_replicas_hold_exactly(cluster, "stream_garbage", [1, 2, 3])
+
+
+@pytest.mark.cluster
+def test_no_pipelined_row_is_lost_when_the_leader_is_killed_then_frozen(
+    cluster: LocalCluster,
+) -> None:
+    """append_async over the port's stream while the leader is killed (-9), and, once it
+    is back, the next leader frozen (SIGSTOP): the pipeline's watchdog cancels the frozen
+    stream (closing its connection), resends elsewhere, and every acknowledged row is on
+    every replica once, in order."""
+    cluster.create_table("stream_faults", SCHEMA)
+    acked: list[int] = []
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def publish() -> None:
+        with _login(cluster, "admin", ADMIN_PASSWORD) as session:
+            publisher = Publisher(session, "stream_faults", max_in_flight=8)
+            key = 0
+            while not stop.is_set():
+                window = [(k, publisher.append_async(rows(k, 1))) for k in range(key, key + 50)]
+                key += 50
+                for number, future in window:
+                    try:
+                        future.result(timeout=120)
+                    except RaftStoreError as error:
+                        failures.append(error)
+                        return
+                    acked.append(number)
+            publisher.close()
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: len(acked) >= 500, timeout_s=60, message="appends flowing")
+        killed = cluster.leader(2)
+        cluster.kill(killed)
+        mark = len(acked)
+        wait_until(lambda: len(acked) >= mark + 500, timeout_s=60, message="appends resumed")
+        cluster.start_node(killed)
+        frozen = cluster.leader(2)
+        cluster.signal(frozen, signal.SIGSTOP)
+        mark = len(acked)
+        wait_until(
+            lambda: len(acked) >= mark + 500, timeout_s=60, message="appends around the freeze"
+        )
+        cluster.signal(frozen, signal.SIGCONT)
+    finally:
+        stop.set()
+        thread.join(timeout=180)
+        for alias in cluster.alive():
+            cluster.signal(alias, signal.SIGCONT)
+    assert not thread.is_alive()
+    assert not failures, failures[:3]
+    assert_replicas_hold_exactly(cluster, "stream_faults", acked)
