@@ -71,6 +71,7 @@ class PublishPort:
         self._connections_max = connections_max
         self._listener = socket.create_server((host, port), backlog=128)
         self._listener.settimeout(ACCEPT_POLL_S)
+        self._port = int(self._listener.getsockname()[1])
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._closed = threading.Event()
@@ -79,7 +80,7 @@ class PublishPort:
 
     @property
     def port(self) -> int:
-        return int(self._listener.getsockname()[1])
+        return self._port
 
     def start(self) -> None:
         self._thread = self._spawn("publish-port", self._accept_loop)

@@ -416,6 +416,8 @@ def test_compose_cluster_cfg_matches_the_compose_file() -> None:
         # Published on the advertised host and port, to the same port in the container.
         published = f'"${{HASTREAM_PUBLISH_HOST:-{node.advertised_host}}}:'
         assert f'{published}{node.advertised_port}:{node.port}"' in compose, node.alias
+        # The publish port on the same port number: clients dial the advertised host.
+        assert f'{published}{node.publish_port}:{node.publish_port}"' in compose, node.alias
         assert f"HASTREAM_NODE: {node.alias}" in compose, node.alias
         assert f'"{node.host}:0.0.0.0"' in compose, node.host  # it binds every interface
         for group_id, port in node.raft_ports:
