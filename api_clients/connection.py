@@ -176,7 +176,7 @@ class Session:
         self._subscriptions: dict[str, Subscription] = {}
         self._closed = False
         self._monitor: AttemptMonitor | None = None
-        # Waited publishes over the nodes' publish ports; plaintext, so not with TLS.
+        # Publishes over the nodes' publish ports; plaintext, so not with TLS.
         self._ports = PublishPorts() if tls is None else None
         if hedge_delay_s is not None:
             self._monitor = AttemptMonitor(self, hedge_delay_s, self._drop_channel)

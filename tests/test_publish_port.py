@@ -9,16 +9,18 @@ loses no acknowledged row when the leader is killed or frozen under it.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pyarrow as pa
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api_clients.connection import Session, connect
@@ -670,3 +672,123 @@ def test_no_pipelined_row_is_lost_when_the_leader_is_killed_then_frozen(
     assert not thread.is_alive()
     assert not failures, failures[:3]
     assert_replicas_hold_exactly(cluster, "stream_faults", acked)
+
+
+# --- generated sequences of frames against a real node -----------------------------------
+
+_OPERATIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish"), st.integers(1, 50)),
+        st.tuples(st.just("bad_token"), st.integers(1, 5)),
+        st.tuples(st.just("garbage"), st.binary(min_size=1, max_size=64)),
+        st.tuples(st.just("cut"), st.floats(0.0, 0.99)),
+        st.tuples(st.just("stream"), st.integers(1, 6)),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+class _Model:
+    """What the node must hold after a sequence: the keys of every answered publish."""
+
+    def __init__(self, cluster: LocalCluster, table: str) -> None:
+        self.cluster = cluster
+        self.table = table
+        self.leader = cluster.leader(2)
+        self.token = _token(cluster, "admin", ADMIN_PASSWORD)
+        self.acked: list[int] = []
+        self.next_key = 0
+        self.port = _RawPort(cluster, self.leader)
+        self.port.hello()
+
+    def request(self, count: int, producer: bytes = b"", sequence: int = 0) -> pb.PublishRequest:
+        payload = ipc_stream(rows(self.next_key, count))
+        return pb.PublishRequest(
+            table=self.table, payload=payload, producer_id=producer, sequence=sequence
+        )
+
+    def apply(self, operation: str, argument: Any) -> None:
+        getattr(self, operation)(argument)
+
+    def publish(self, count: int) -> None:
+        self.port.send(_publish_frame(self.token, self.request(count)))
+        kind, body = self.port.read()
+        assert kind == frames.ANSWER, frames.parse_error(body)
+        assert pb.PublishResponse.FromString(body).row_count == count
+        self._acked(count)
+
+    def bad_token(self, count: int) -> None:
+        self.port.send(_publish_frame("nobody:1:1:00", self.request(count)))
+        assert isinstance(self.port.error(), Unauthenticated)  # and the connection stays
+
+    def garbage(self, data: bytes) -> None:
+        """Bytes after a greeting on a connection of their own: never an answer."""
+        raw = _RawPort(self.cluster, self.leader)
+        try:
+            raw.hello()
+            raw.send(data)
+            raw.socket.shutdown(socket.SHUT_WR)
+            reply = b""
+            while chunk := raw.socket.recv(1 << 16):
+                reply += chunk
+            if reply:
+                kind, _ = frames.parse_header(reply[: frames.HEADER.size], frames.FRAME_BYTES_MAX)
+                assert kind == frames.ERROR, reply[:100]
+        except ConnectionResetError:
+            pass
+        finally:
+            raw.close()
+
+    def cut(self, share: float) -> None:
+        """A valid PUBLISH cut short by the client's leaving: never applied."""
+        frame = _publish_frame(self.token, self.request(3))
+        raw = _RawPort(self.cluster, self.leader)
+        raw.hello()
+        raw.send(frame[: int(len(frame) * share)])
+        raw.close()
+
+    def stream(self, batches: int) -> None:
+        raw = _RawPort(self.cluster, self.leader)
+        try:
+            raw.hello()
+            producer = os.urandom(16)
+            requests = []
+            for sequence in range(1, batches + 1):
+                requests.append(self.request(2, producer, sequence))
+                self._acked(2)
+            raw.send(_stream_frame(self.token) + _batch_frame(*requests))
+            raw.socket.shutdown(socket.SHUT_WR)
+            answered = []
+            while len(answered) < batches:
+                kind, body = raw.read()
+                assert kind == frames.ACKS, frames.parse_error(body)
+                answered += [ack.sequence for ack in pb.PublishAcks.FromString(body).responses]
+            assert answered == list(range(1, batches + 1))
+            assert raw.closed_by_node()  # after the half-close, once all is answered
+        finally:
+            raw.close()
+
+    def _acked(self, count: int) -> None:
+        self.acked += range(self.next_key, self.next_key + count)
+        self.next_key += count
+
+
+@pytest.mark.cluster
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations=_OPERATIONS)
+def test_generated_frame_sequences_leave_exactly_the_answered_rows(
+    cluster: LocalCluster, operations: list[tuple[str, Any]]
+) -> None:
+    """Random sequences of good publishes, refused ones, garbage, frames cut short and
+    streams, on one node: every replica ends holding exactly the rows that were answered,
+    once and in order."""
+    table = f"generated_{uuid.uuid4().hex[:12]}"
+    cluster.create_table(table, SCHEMA)
+    model = _Model(cluster, table)
+    try:
+        for operation, argument in operations:
+            model.apply(operation, argument)
+    finally:
+        model.port.close()
+    assert_replicas_hold_exactly(cluster, table, model.acked)
