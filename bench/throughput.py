@@ -10,10 +10,13 @@ server and one disk), publishes to each for a bounded time and row count, then d
 The two modes of a cell run back to back, in alternating order from cell to cell, so each
 HA/non-HA ratio is measured under the same background load.
 
-Publishing uses raw gRPC stubs (`StreamTable.Publish`), one channel (one HTTP/2
-connection) per thread, with Arrow IPC payloads built before the clock starts: the loop
-is one blocking RPC per batch, no per-row Python. The time of each call is the
-acknowledgement latency (committed on a fsynced majority and applied on the leader).
+Publishing sends PublishRequests built before the clock starts (Arrow IPC payloads: no
+per-row Python), one blocking call per batch, one connection per thread: over the node's
+publish port (`--transport port`, the default: api_clients/publish_port.py's framed
+exchange, what a Publisher's waited append uses) or raw gRPC stubs (`--transport grpc`,
+`StreamTable.Publish`, one channel, one HTTP/2 connection, per thread). The time of each
+call is the acknowledgement latency (committed on a fsynced majority and applied on the
+leader).
 
 Pipelined cells (`--pipeline N`, window N per thread; in the quick grid N = 64 for batches
 <= 1,000) publish the same pre-built payloads through the client's `PublishPipeline`
@@ -41,6 +44,7 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,9 +54,11 @@ import grpc
 
 from api_clients.connection import Session
 from api_clients.pipeline import PublishPipeline
+from api_clients.publish_port import PublishPorts
 from bench import common
 from bench.dolphindb import DOLPHINDB
 from deploy.local_cluster import LocalCluster, wait_until
+from hastream.errors import RaftStoreError
 from proto import hastream_pb2 as pb
 from proto import hastream_pb2_grpc
 
@@ -126,6 +132,7 @@ class Settings:
     grid: dict[str, tuple[int, ...]]
     purge_interval_s: float
     election_timeout_s: float
+    transport: str = "port"  # unary cells: "port" (the publish port) or "grpc"
 
 
 # --- one cell -------------------------------------------------------------------------------
@@ -185,17 +192,32 @@ def _check_nodes_alive(cluster: LocalCluster) -> None:
     raise NodeExited("node(s) died during the benchmark:\n" + "\n".join(details))
 
 
+Publish = Callable[[pb.PublishRequest], pb.PublishResponse]
+
+
+def _port_publish(cluster: LocalCluster, alias: str) -> tuple[Publish, PublishPorts]:
+    """A blocking publish over `alias`'s publish port, on a connection of its own."""
+    site = f"127.0.0.1:{cluster.nodes[alias].port}"
+    ports = PublishPorts()
+    ports.learn(site, int(cluster.status(alias)["publish_port"]["port"]))
+    return functools.partial(_publish_over, ports, site), ports
+
+
+def _publish_over(ports: PublishPorts, site: str, request: pb.PublishRequest) -> pb.PublishResponse:
+    return ports.publish(site, request, "", 60.0)
+
+
 class _Worker(threading.Thread):
     def __init__(
         self,
-        stub: hastream_pb2_grpc.StreamTableStub,
+        publish: Publish,
         requests: list[pb.PublishRequest],
         requests_max: int,
         start: threading.Barrier,
         deadline: list[float],
     ) -> None:
         super().__init__(daemon=True)
-        self.stub = stub
+        self.publish = publish
         self.requests = requests
         self.requests_max = requests_max
         self.start_barrier = start
@@ -206,16 +228,16 @@ class _Worker(threading.Thread):
         self.finished_at = 0.0
 
     def run(self) -> None:
-        publish = self.stub.Publish
+        publish = self.publish
         requests = self.requests
         pool = len(requests)
         latencies = self.latencies
         clock = time.perf_counter
         try:
             for request in requests[:2]:  # warm-up: connection, table, caches
-                publish(request, timeout=60)
-        except grpc.RpcError as error:
-            self.errors.append(f"warm-up: {error.code()}")
+                publish(request)
+        except (grpc.RpcError, RaftStoreError) as error:
+            self.errors.append(f"warm-up: {_error_name(error)}")
         self.start_barrier.wait()  # everyone warmed up: the main thread samples counters
         self.start_barrier.wait()  # the clock starts
         deadline = self.deadline[0]
@@ -224,9 +246,9 @@ class _Worker(threading.Thread):
             request = requests[number % pool]
             started = clock()
             try:
-                reply = publish(request, timeout=60)
-            except grpc.RpcError as error:
-                self.errors.append(str(error.code()))
+                reply = publish(request)
+            except (grpc.RpcError, RaftStoreError) as error:
+                self.errors.append(_error_name(error))
                 if len(self.errors) >= ERRORS_MAX:
                     break
                 continue
@@ -237,6 +259,10 @@ class _Worker(threading.Thread):
             if finished >= deadline:
                 break
         self.finished_at = clock()
+
+
+def _error_name(error: grpc.RpcError | RaftStoreError) -> str:
+    return str(error.code()) if isinstance(error, grpc.RpcError) else type(error).__name__
 
 
 class _PipelinedWorker(threading.Thread):
@@ -324,7 +350,9 @@ def run_cell(
     row_bytes = len(pool[0]) / batch_rows
     rows_max = min(ROWS_MAX, max(batch_rows * threads, int(settings.cell_bytes_max / row_bytes)))
     requests_max = max(1, math.ceil(rows_max / batch_rows / threads))
-    channels = [] if pipeline else [_channel(cluster, leader) for _ in range(threads)]
+    over_port = settings.transport == "port" and not pipeline
+    channels = [] if pipeline or over_port else [_channel(cluster, leader) for _ in range(threads)]
+    ports: list[PublishPorts] = []
     site = f"127.0.0.1:{cluster.nodes[leader].port}"
     try:
         barrier = threading.Barrier(threads + 1)
@@ -348,8 +376,13 @@ def run_cell(
                 )
                 continue
             requests = [pb.PublishRequest(table=table, payload=payload) for payload in shifted]
-            stub = hastream_pb2_grpc.StreamTableStub(channels[number])
-            workers.append(_Worker(stub, requests, requests_max, barrier, deadline))
+            if over_port:
+                publish, port = _port_publish(cluster, leader)
+                ports.append(port)
+            else:
+                publish = hastream_pb2_grpc.StreamTableStub(channels[number]).Publish
+                publish = functools.partial(publish, timeout=60)
+            workers.append(_Worker(publish, requests, requests_max, barrier, deadline))
         for worker in workers:
             worker.start()
         pids = common.node_pids(cluster)
@@ -367,6 +400,8 @@ def run_cell(
         result.load_after = common.load_average()
         entries_after, syncs_after, term_after = _group_counters(cluster, leader, group)
     finally:
+        for port in ports:
+            port.close()
         for channel in channels:
             channel.close()
     latencies = [value for worker in workers for value in worker.latencies]
@@ -593,7 +628,8 @@ def markdown(
         f"Machine: {meta['machine']['cpus']} cores ({meta['machine']['cpu_model']}), "
         f"{meta['machine']['memory_gib']} GiB, Python {meta['machine']['python']}, pyarrow "
         f"{meta['machine']['pyarrow']}; code {meta['machine'].get('code', '?')}; three nodes "
-        "and this client on one machine, one disk. "
+        "and this client on one machine, one disk; unary cells over "
+        f"{'the publish port' if settings.transport == 'port' else 'gRPC'}. "
         f"{settings.repeats} repeat(s) of the grid; each cell runs up to "
         f"{settings.duration_s:g} s or {settings.cell_bytes_max / 1e6:,.0f} MB of payload per "
         f"mode. Figures are medians over the repeats; the ratio is the median of the "
@@ -911,6 +947,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1.5,
         help="streamingRaftElectionTimeout of the cluster (s)",
     )
+    parser.add_argument(
+        "--transport",
+        choices=("port", "grpc"),
+        default="port",
+        help="unary cells: the node's publish port (default) or raw gRPC stubs",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the cluster's directory")
     parser.add_argument(
         "--tuning", default="", help="what-if: HASTREAM_TUNING knobs for the nodes (A/B only)"
@@ -935,6 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         grid=grid,
         purge_interval_s=args.purge_interval,
         election_timeout_s=args.election_timeout,
+        transport=args.transport,
     )
     if args.merge:
         return merge(args.merge, args.out, args.name)
