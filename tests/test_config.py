@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,14 +107,24 @@ def test_relative_dirs_resolve_against_the_cfg_directory() -> None:
     assert cluster.node("n1").ha_dir == Path("/etc/logs/n1")
 
 
-def test_relative_cfg_path_is_made_absolute(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_relative_cfg_path_is_made_absolute(tmp_path: Path) -> None:
+    """A node started in the cfg's directory with a relative `--config` path (a process of
+    its own, started there, as an operator's shell would)."""
     (tmp_path / "c.cfg").write_text(cfg(persistenceDir="d/<ALIAS>"))
-    monkeypatch.chdir(tmp_path)
-    cluster = config.load("c.cfg")
-    assert cluster.path == tmp_path / "c.cfg"
-    assert cluster.node("n1").persistence_dir == tmp_path / "d" / "n1"
+    script = (
+        "from raftstore import config; cluster = config.load('c.cfg'); "
+        "print(cluster.path); print(cluster.node('n1').persistence_dir)"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.splitlines()
+    assert shown == [str(tmp_path / "c.cfg"), str(tmp_path / "d" / "n1")]
 
 
 def test_per_node_dir_overrides_the_global_one() -> None:
