@@ -40,7 +40,7 @@ from api_clients.call_policy import (
 )
 from api_clients.hedge import HEDGE_DELAY_S_DEFAULT, AttemptMonitor, LeaderWatch
 from api_clients.login import Login, TokenInterceptor
-from api_clients.publish_port import PortRefused, PublishPorts
+from api_clients.publish_port import PortRefused, PublishPorts, client_context
 from api_clients.reader import read_range
 from api_clients.retry import BACKOFF_INITIAL_S, BACKOFF_MAX_S, Backoff
 from api_clients.subscriber import Subscription, subscription_filter, subscription_handler
@@ -176,8 +176,12 @@ class Session:
         self._subscriptions: dict[str, Subscription] = {}
         self._closed = False
         self._monitor: AttemptMonitor | None = None
-        # Publishes over the nodes' publish ports; plaintext, so not with TLS.
-        self._ports = PublishPorts() if tls is None else None
+        # Publishes over the nodes' publish ports (TLS as on the client port).
+        self._ports = (
+            PublishPorts()
+            if tls is None
+            else PublishPorts(tls=client_context(tls), server_name=tls.server_name)
+        )
         if hedge_delay_s is not None:
             self._monitor = AttemptMonitor(self, hedge_delay_s, self._drop_channel)
 
@@ -192,8 +196,7 @@ class Session:
             subscription.stop()
         if self._monitor is not None:
             self._monitor.close()
-        if self._ports is not None:
-            self._ports.close()
+        self._ports.close()
         with self._lock:
             self._closed = True
             channels = list(self._channels.values())
@@ -493,7 +496,7 @@ class Session:
     def _unary(self, method_name: str, request: Any, target: str, timeout_s: float) -> Any:
         """One unary call on `target`: a Publish over the site's publish port when it has one
         (api_clients/publish_port.py), else, and for every other method, over gRPC."""
-        if self._ports is None or method_name != "Publish":
+        if method_name != "Publish":
             return transport.unary(self.stub(target), method_name, request, target, timeout_s)
         if self._ports.usable(target, len(request.payload)):
             token = "" if self._login is None else self._login.token()
@@ -512,8 +515,7 @@ class Session:
         with self._lock:
             channel = self._channels.pop(site, None)
             self._stubs.pop(site, None)
-        if self._ports is not None:
-            self._ports.drop(site)
+        self._ports.drop(site)
         if channel is not None:
             log.info("closing the channel of a silent site site=%s", site)
             channel.close()
@@ -526,7 +528,7 @@ class Session:
         a bidirectional call. Iterating the stream yields the responses and raises a failure
         typed (see `api_clients.transport`); `cancel()` ends it. A PublishStream goes over
         the site's publish port when it has one (api_clients/publish_port.py)."""
-        if self._ports is not None and method_name == "PublishStream" and timeout_s is None:
+        if method_name == "PublishStream" and timeout_s is None:
             stream = self._port_stream(site, request)
             if stream is not None:
                 return stream
@@ -536,7 +538,8 @@ class Session:
         """A PublishStream over `site`'s publish port; None when it has none (or it cannot
         be used now): nothing was sent. Whether the site has one is asked once (its node
         status), as a pipeline, unlike waited publishes, sees no Publish answer first."""
-        assert self._ports is not None
+        if not self._ports.streams:
+            return None
         if not self._ports.known(site):
             try:
                 status = json.loads(

@@ -16,8 +16,9 @@ other service behind the number), nothing was sent, and the attempt goes over gR
 site's port is tried again after PORT_RETRY_S. Once a request was sent, a lost connection
 is the attempt's failure (SiteUnavailable or StreamBroken, retried with the same producer
 id and sequence, so a publish that did commit is answered as a duplicate, not appended
-twice); no answer within a waited attempt's timeout is DeadlineExceeded. Plaintext only:
-a session with TLS never uses it (and a node with TLS does not serve one).
+twice); no answer within a waited attempt's timeout is DeadlineExceeded. A session with TLS
+speaks TLS to the port as to the client port (same CA, same client certificate, the
+node's name checked); over TLS only waited publishes use it, pipelines stay on gRPC.
 
 Bounded: at most CONNECTIONS_PER_SITE_MAX connections per site, pooled and streams
 together (beyond them, gRPC), and a frame is read only up to
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +46,7 @@ from api_clients.transport import (
 )
 from hastream import publish_frames as frames
 from hastream.errors import RaftStoreError
+from hastream.tls import ClientTls
 from proto import hastream_pb2
 
 log = logging.getLogger(__name__)
@@ -70,8 +73,16 @@ class PublishPorts:
     """One Session's publish-port connections. Thread-safe: a connection serves one
     request at a time; publishing threads take idle ones or dial more, up to the bound."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
+    ) -> None:
         self._clock = clock
+        self._tls = tls  # the session's TLS: the port speaks it as the client port does
+        self._server_name = server_name
         self._lock = threading.Lock()
         self._sites: dict[str, _Site] = {}
         self._closed = False
@@ -138,6 +149,11 @@ class PublishPorts:
         finally:
             self._give_back(site, connection, healthy)
 
+    @property
+    def streams(self) -> bool:
+        """Whether pipelines may use the port (not over TLS: see `open_stream`)."""
+        return self._tls is None
+
     def known(self, site: str) -> bool:
         """Whether the session knows if `site` serves a publish port (either way)."""
         with self._lock:
@@ -148,7 +164,11 @@ class PublishPorts:
     ) -> PortStream:
         """A PublishStream call over `site`'s publish port, on a connection of its own
         (counted with the site's others until the stream ends). Raises PortRefused when
-        the port cannot be used: nothing was sent, use gRPC."""
+        the port cannot be used: nothing was sent, use gRPC. Not over TLS: the stream
+        reads and writes its connection from two threads, which one OpenSSL connection
+        does not allow (the node refuses it too)."""
+        if self._tls is not None:
+            raise PortRefused(site)
         connection = self._take(site, CONNECT_TIMEOUT_S, fresh=True)
         try:
             connection.settimeout(None)  # a stream waits for answers as long as it runs
@@ -213,6 +233,10 @@ class PublishPorts:
             raise PortRefused(site) from None
         try:
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:  # the handshake, under the dial's timeout
+                connection = self._tls.wrap_socket(
+                    connection, server_hostname=self._server_name or host
+                )
             connection.sendall(frames.header(frames.HELLO, len(frames.BANNER)) + frames.BANNER)
             kind, body = _read_frame(connection, frames.HELLO_BYTES_MAX)
             if kind != frames.HELLO or not body.startswith(frames.BANNER + b" "):
@@ -243,11 +267,21 @@ class PublishPorts:
         _shut(connection)
 
 
+def client_context(tls: ClientTls) -> ssl.SSLContext:
+    """The session's TLS as an ssl context for the publish port: the same CA (the system's
+    roots without one), the same client certificate, the node's name checked."""
+    context = ssl.create_default_context(cafile=tls.ca_file)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if tls.cert_file is not None and tls.key_file is not None:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    return context
+
+
 class PortStream(Stream):
     """A PublishStream call over a publish port, used as gRPC's (transport.Stream):
     iterating yields the PublishAcks and raises the call's typed failure; `cancel()`, from
     any thread, ends it. A sender thread writes the requests' BATCH frames (as gRPC's own
-    thread pulls a request iterator) and half-closes after the last."""
+    thread pulls a request iterator) and an END frame after the last."""
 
     def __init__(
         self,
@@ -270,7 +304,7 @@ class PortStream(Stream):
             for batch in requests:
                 body = batch.SerializeToString()
                 self._connection.sendall(frames.header(frames.BATCH, len(body)) + body)
-            self._connection.shutdown(socket.SHUT_WR)
+            self._connection.sendall(frames.header(frames.END, 0))
         except OSError:
             pass  # the connection ended: the reader says how
 
@@ -280,7 +314,7 @@ class PortStream(Stream):
                 try:
                     kind, body = _read_frame(self._connection, frames.FRAME_BYTES_MAX)
                 except EOFError:
-                    return  # the node answered everything after our half-close
+                    return  # the node answered everything after our END
                 except (OSError, frames.FrameError) as error:
                     raise StreamBroken(self.site, f"publish port stream: {error}") from None
                 if kind == frames.ACKS:
@@ -305,7 +339,9 @@ def _closed_by_node(connection: socket.socket) -> bool:
     # Non-blocking: with a timeout set, CPython would first poll for up to that long.
     connection.settimeout(0.0)
     try:
-        return connection.recv(1, socket.MSG_PEEK) == b""
+        # The socket's own bytes, under TLS too (an SSLSocket refuses recv flags): the
+        # node's FIN reads as b"", a TLS record waiting (a session ticket) as data.
+        return socket.socket.recv(connection, 1, socket.MSG_PEEK) == b""
     except BlockingIOError:
         return False  # open, nothing to read: as it should be between requests
     except OSError:

@@ -212,10 +212,6 @@ class LocalCluster:
         harness's channels then use a client certificate of the same CA. Only before the
         nodes first start."""
         ca = DevCA.create(self.root / "tls")
-        # The publish port is plaintext: a node with TLS serves publishes on gRPC only.
-        self._config_lines = [
-            line for line in self._config_lines if f".{_PUBLISH_PORT}=" not in line
-        ]
         for alias, node in self.nodes.items():
             issued = ca.issue(alias, (node.host,))
             self.add_config_lines(

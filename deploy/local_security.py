@@ -6,8 +6,7 @@ and, when the operator's cfg sets neither TLS nor `authentication`, with
 - TLS on every client port: a development CA and one certificate per node, generated on
   first use under `<run-dir>/security/` (deploy/dev_tls.py);
 - `authentication=on` and the first admin's password generated into
-  `<run-dir>/security/admin.password` (0600; its path is printed, never the password);
-- no `publishPort` (plaintext, raftstore/publish_port.py): publishes go over TLS.
+  `<run-dir>/security/admin.password` (0600; its path is printed, never the password).
 `up --insecure` writes the operator's cfg as it is (plaintext; logins as its hosts imply).
 Every later command (status, down, restart, rolling-restart, the `hastream` command) reads
 the effective cfg, so it speaks to the nodes the way they were started, and clients take
@@ -55,8 +54,6 @@ def write_effective(operator_path: Path, run_dir: Path, *, insecure: bool) -> Cl
             line
             for line in text.splitlines()
             if not line.startswith(f"{config.KEY_AUTHENTICATION}=")  # set below
-            # plaintext, so not beside TLS: publishes go over gRPC's TLS port
-            and f".{config.FIELD_PUBLISH_PORT}=" not in line
         ]
         secure = _secure_lines(cluster, run_dir / SECURITY_DIR)
         text = "\n".join([*rendered, "", *secure]) + "\n"

@@ -19,11 +19,14 @@ the body:
     ANSWER   node -> client: a serialized PublishResponse.
     STREAM   client -> node: the login token as in PUBLISH, nothing after it. The rest of
              the connection is one PublishStream call: BATCH frames in, ACKS frames out;
-             the client half-closes (shutdown SHUT_WR) once it sent its last BATCH, and
-             the node closes once it answered them all, or after an ERROR that ends the
-             stream (as gRPC's PublishStream ends with its status; raftstore/pipeline.py).
+             the client sends END after its last BATCH (gRPC's half-close; TLS has no
+             half-close of its own), and the node closes once it answered them all, or
+             after an ERROR that ends the stream (as gRPC's PublishStream ends with its
+             status; raftstore/pipeline.py). A client that leaves without END ends the
+             stream too: the answers of what was read still go out while it listens.
     BATCH    client -> node: a serialized PublishBatch.
     ACKS     node -> client: a serialized PublishAcks.
+    END      client -> node: no more BATCH frames (empty body).
     ERROR    node -> client: the typed error as JSON, {"type": ..., "fields": {...}}
              (what errors.to_wire puts in gRPC's trailing metadata). After an error
              about the frame itself (garbage, a body over its bound, a wrong kind) the
@@ -51,7 +54,8 @@ ERROR: Final = 4
 STREAM: Final = 5
 BATCH: Final = 6
 ACKS: Final = 7
-KINDS: Final = frozenset((HELLO, PUBLISH, ANSWER, ERROR, STREAM, BATCH, ACKS))
+END: Final = 8
+KINDS: Final = frozenset((HELLO, PUBLISH, ANSWER, ERROR, STREAM, BATCH, ACKS, END))
 
 # The bound of a gRPC message, for the same messages: a request's payload is at most
 # wire.BATCH_BYTES_MAX (the client splits bigger data), a PublishBatch packs requests up

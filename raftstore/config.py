@@ -20,10 +20,10 @@ of the line (there are no trailing comments, so a secret may contain `#`). Keys:
     node1.persistenceDir=... / node1.streamingHADir=...   per-node overrides
     node1.metricsPort=9101                            optional: Prometheus /metrics and the
                                                       status page, bound on node1.host
-    node1.publishPort=8911                            optional: waited publishes over framed
-                                                      TCP (raftstore/publish_port.py), bound
-                                                      on node1.host; clients reach it on the
-                                                      host they dial. Plaintext: not with TLS
+    node1.publishPort=8911                            optional: publishes over framed TCP
+                                                      (raftstore/publish_port.py), bound on
+                                                      node1.host; clients reach it on the
+                                                      host they dial. TLS as the client port
     streamingPreferredLeaders=2:node1,3:node2         optional: a group's leader moves back
                                                       to its preferred node when that is healthy
     tlsCertFile=... tlsKeyFile=... tlsCAFile=...      optional, global or per node (`<ALIAS>`
@@ -716,13 +716,6 @@ def _parse_node(
     metrics_port = _optional_port(where, alias, FIELD_METRICS_PORT, fields)
     publish_port = _optional_port(where, alias, FIELD_PUBLISH_PORT, fields)
     tls = _parse_tls(where, base_dir, alias, fields, global_values)
-    if publish_port is not None and tls is not None:
-        raise ConfigError(
-            where,
-            f"{alias}.{FIELD_PUBLISH_PORT}",
-            str(publish_port),
-            "the publish port is plaintext; a node with TLS serves publishes on its gRPC port",
-        )
     return NodeConfig(
         alias=alias,
         host=host,

@@ -421,12 +421,16 @@ class Node:
         port = self.config.publish_port
         if port is None:
             return
+        tls = self.config.tls
         self._publish_port = PublishPort(
             self,
             self.config.host,
             port,
             spawn=self._threads.start,
             connections_max=limits.PUBLISH_PORT_CONNECTIONS_MAX,
+            tls=None
+            if tls is None or self._tls_pem is None
+            else node_tls.server_ssl_context(tls, self._tls_pem, str(self.cluster.path)),
         )
         self._publish_port.start()
         log.info("publish port on %s:%d", self.config.host, port)

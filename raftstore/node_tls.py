@@ -1,8 +1,11 @@
-"""A node's TLS: the server credentials of its client port, and the channel credentials
-it calls its peers with (the same certificate: with `tlsClientAuth=require` a node is a
-client its peers must accept, so node certificates carry clientAuth as well)."""
+"""A node's TLS: the server credentials of its client port (and the same certificate as
+an `ssl.SSLContext` for its publish port), and the channel credentials it calls its peers
+with (the same certificate: with `tlsClientAuth=require` a node is a client its peers must
+accept, so node certificates carry clientAuth as well)."""
 
 from __future__ import annotations
+
+import ssl
 
 import grpc
 
@@ -44,3 +47,20 @@ def peer_credentials(pem: PemFiles) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(
         root_certificates=pem.ca, private_key=pem.private_key, certificate_chain=pem.cert_chain
     )
+
+
+def server_ssl_context(tls: NodeTls, pem: PemFiles, where: str) -> ssl.SSLContext:
+    """The publish port's TLS (publish_port.py): the client port's certificate, and with
+    `client_auth` the client's certificate required and checked against the CA. Raises
+    ConfigError naming the certificate when the files do not make a server identity."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+        if tls.client_auth:
+            assert pem.ca is not None
+            context.load_verify_locations(cadata=pem.ca.decode("ascii", errors="replace"))
+            context.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ValueError) as error:  # ssl.SSLError is an OSError
+        raise ConfigError(where, KEY_TLS_CERT, str(tls.cert_file), str(error)) from None
+    return context

@@ -19,8 +19,9 @@ frames of at most publish_frames.FRAME_BYTES_MAX (gRPC's message bound), a strea
 requests in flight as PublishStream bounds them, and a connection idle for
 IDLE_TIMEOUT_S (or a frame that stops arriving half-way) is closed. Garbage gets an
 InvalidArgument frame and the connection is closed; nothing reaches group commit unless
-it parsed. Plaintext: a node with TLS on its client port does not open one (config.py
-refuses `publishPort` then).
+it parsed. A node with TLS on its client port serves TLS here too, with the same
+certificate (and client certificates required with `tlsClientAuth=require`): waited
+publishes only, as one connection's reads and writes would otherwise run on two threads.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from typing import Final
@@ -65,8 +67,10 @@ class PublishPort:
         *,
         spawn: Spawn,
         connections_max: int,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._node = node
+        self._tls = tls
         self._spawn = spawn
         self._connections_max = connections_max
         self._listener = socket.create_server((host, port), backlog=128)
@@ -138,8 +142,10 @@ class PublishPort:
     def _serve(self, connection: socket.socket, peer: str) -> None:
         try:
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            read = connection.makefile("rb", buffering=64 * 1024).read
             connection.settimeout(HELLO_TIMEOUT_S)
+            if self._tls is not None:
+                connection = self._handshake(connection)
+            read = connection.makefile("rb", buffering=64 * 1024).read
             kind, body = _read_frame(read, frames.HELLO_BYTES_MAX)
             if kind != frames.HELLO or body != frames.BANNER:
                 raise frames.FrameError("the first frame is not this protocol's HELLO")
@@ -148,6 +154,10 @@ class PublishPort:
             while not self._closed.is_set():
                 kind, body = _read_frame(read, frames.FRAME_BYTES_MAX)
                 if kind == frames.STREAM:
+                    if self._tls is not None:
+                        # Its reader thread would read the TLS connection while this one
+                        # writes: OpenSSL does not allow that on one connection.
+                        raise frames.FrameError("no publish streams over TLS: use gRPC's")
                     self._stream(connection, read, body)
                     return  # a stream is the rest of its connection
                 if kind != frames.PUBLISH:
@@ -164,6 +174,17 @@ class PublishPort:
             with self._lock:
                 self._connections.discard(connection)
             _shut(connection)
+
+    def _handshake(self, connection: socket.socket) -> socket.socket:
+        """The TLS connection over `connection` (the handshake under the greeting's
+        timeout; ssl.SSLError, an OSError, ends the connection). It replaces `connection`
+        among those close() shuts."""
+        assert self._tls is not None
+        wrapped = self._tls.wrap_socket(connection, server_side=True)
+        with self._lock:
+            self._connections.discard(connection)
+            self._connections.add(wrapped)
+        return wrapped
 
     def _answer(self, connection: socket.socket, body: bytes) -> None:
         """Hands one PUBLISH to group commit, waits for it and sends its answer. (Sending
@@ -228,11 +249,13 @@ def _batches(
     read: Callable[[int], bytes], garbage: list[frames.FrameError]
 ) -> Iterator[list[StreamedPublish]]:
     """A stream's requests, one BATCH frame at a time (on the stream's reader thread).
-    Ends when the client half-closes or leaves; a frame that is not a well-formed BATCH
+    Ends at the client's END frame or when it leaves; a frame that is not a well-formed BATCH
     ends it too, noted in `garbage` for the connection's thread to answer."""
     while True:
         try:
             kind, body = _read_frame(read, frames.FRAME_BYTES_MAX)
+            if kind == frames.END:
+                return  # the client's last request was read
             if kind != frames.BATCH:
                 raise frames.FrameError(f"frame kind {kind} inside a publish stream")
             try:
@@ -243,7 +266,7 @@ def _batches(
             garbage.append(error)
             return
         except (OSError, EOFError):
-            return  # half-closed (EOF) or gone: the answers of what was read still go out
+            return  # gone: the answers of what was read still go out
         yield streamed(requests)
 
 

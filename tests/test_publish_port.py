@@ -757,15 +757,16 @@ class _Model:
             for sequence in range(1, batches + 1):
                 requests.append(self.request(2, producer, sequence))
                 self._acked(2)
-            raw.send(_stream_frame(self.token) + _batch_frame(*requests))
-            raw.socket.shutdown(socket.SHUT_WR)
+            raw.send(
+                _stream_frame(self.token) + _batch_frame(*requests) + frames.header(frames.END, 0)
+            )
             answered = []
             while len(answered) < batches:
                 kind, body = raw.read()
                 assert kind == frames.ACKS, frames.parse_error(body)
                 answered += [ack.sequence for ack in pb.PublishAcks.FromString(body).responses]
             assert answered == list(range(1, batches + 1))
-            assert raw.closed_by_node()  # after the half-close, once all is answered
+            assert raw.closed_by_node()  # after the END, once all is answered
         finally:
             raw.close()
 

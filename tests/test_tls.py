@@ -12,15 +12,18 @@ import pytest
 
 from api_clients import connect
 from api_clients.connection import Session
+from api_clients.publish_port import PortRefused, PublishPorts, client_context
 from api_clients.publisher import Publisher
 from api_clients.transport import TransportError
 from deploy.dev_tls import DevCA
 from hastream.errors import ConfigError, InvalidArgument
 from hastream.tls import ClientTls
+from proto import hastream_pb2 as pb
 from raftstore import config
 from tests.harness import (
     AckedPublisher,
     LocalCluster,
+    ManualClock,
     assert_replicas_hold_exactly,
     restart_with_a_damaged_record,
     wait_damage_repaired,
@@ -77,11 +80,6 @@ def test_tls_keys_are_global_or_per_node_and_render_back(tmp_path: Path) -> None
             "some nodes only",
         ),
         ("tlsClientAuth=require\n", "tlsClientAuth", "needs TLS"),
-        (
-            "tlsCertFile=a\ntlsKeyFile=b\ntlsCAFile=c\nnode2.publishPort=8912\n",
-            "node2.publishPort",
-            "publish port is plaintext",
-        ),
         (
             "tlsCertFile=a\ntlsKeyFile=b\ntlsCAFile=c\ntlsClientAuth=optional\n",
             "tlsClientAuth",
@@ -146,6 +144,62 @@ def test_a_client_with_the_cluster_certificate_publishes_and_reads(
         keyFile=app.key_file,
     ) as session:
         assert session.read("tls_rows", 0).num_rows == 100
+
+
+def _answered_on_ports(cluster: LocalCluster) -> int:
+    return sum(cluster.status(alias)["publish_port"]["answered"] for alias in cluster.alive())
+
+
+@pytest.mark.cluster
+def test_waited_publishes_take_the_publish_port_over_mutual_tls(
+    tls_cluster: LocalCluster,
+) -> None:
+    """The publish port speaks the client port's TLS: the session's CA and certificate,
+    the node's name checked; pipelines stay on gRPC's TLS."""
+    app = DevCA(tls_cluster.root / "tls").client("app")
+    before = _answered_on_ports(tls_cluster)
+    with Session([node.site for node in tls_cluster.nodes.values()], tls=app) as session:
+        session.haStreamTable(2, SCHEMA, "tls_port_rows", 10_000)
+        publisher = Publisher(session, "tls_port_rows")
+        for key in range(50):  # the first over gRPC, which names the port
+            row = {"id": [key], "ts": pa.array([key], pa.timestamp("ms")), "sym": ["p"]}
+            assert publisher.append(pa.table(row, schema=SCHEMA)).first_offset == key
+        assert _answered_on_ports(tls_cluster) - before == 49
+        pipelined = Publisher(session, "tls_port_rows", max_in_flight=8)
+        row = {"id": [50], "ts": pa.array([50], pa.timestamp("ms")), "sym": ["q"]}
+        assert pipelined.append_async(pa.table(row, schema=SCHEMA)).result(30).first_offset == 50
+        pipelined.close()
+        assert _answered_on_ports(tls_cluster) - before == 49  # the pipeline used gRPC
+    assert_replicas_hold_exactly(tls_cluster, "tls_port_rows", list(range(51)))
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("client", ["plaintext", "no-client-cert", "foreign-ca"])
+def test_the_publish_port_refuses_what_the_client_port_refuses(
+    tls_cluster: LocalCluster, tmp_path: Path, client: str
+) -> None:
+    """A plaintext greeting, a client without a certificate, or one that does not trust
+    the node's CA: no greeting comes back, and the session would publish over gRPC (which
+    refuses it as test_wrong_clients_are_refused_with_the_cause shows)."""
+    ca = DevCA(tls_cluster.root / "tls")
+    tls = {
+        "plaintext": None,
+        "no-client-cert": ClientTls(ca_file=str(ca.ca_file)),
+        "foreign-ca": DevCA.create(tmp_path / "foreign").client("intruder"),
+    }[client]
+    leader = tls_cluster.leader()
+    node = tls_cluster.nodes[leader]
+    site = node.site
+    ports = (
+        PublishPorts(ManualClock())
+        if tls is None
+        else PublishPorts(ManualClock(), tls=client_context(tls))
+    )
+    ports.learn(site, int(tls_cluster.status(leader)["publish_port"]["port"]))
+    request = pb.PublishRequest(table="tls_rows", payload=b"")
+    with pytest.raises(PortRefused):
+        ports.publish(site, request, "", timeout_s=5)
+    assert not ports.usable(site, 0)  # set aside: gRPC for a while
 
 
 @pytest.mark.cluster
