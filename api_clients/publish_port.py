@@ -67,6 +67,7 @@ class _Site:
     retry_at: float = 0.0  # monotonic time before which the port is not dialled again
     idle: list[socket.socket] = field(default_factory=list)
     busy: set[socket.socket] = field(default_factory=set)
+    left: int = 0  # how often the session left the site (drop)
 
 
 class PublishPorts:
@@ -117,7 +118,16 @@ class PublishPorts:
         """Sends `request` over `site`'s publish port and waits for its answer. Raises
         PortRefused when the port cannot be used (nothing sent: use gRPC), the node's
         typed error, or SiteUnavailable / DeadlineExceeded / RpcFailed."""
-        connection = self._take(site, timeout_s)
+        left = self._times_left(site)
+        try:
+            connection = self._take(site, timeout_s)
+        except PortRefused:
+            if self._times_left(site) != left:
+                # The session's hedge left this (silent) site while the port was dialled:
+                # the attempt is over, not to be made again over gRPC (whose new channel
+                # nobody would close).
+                raise SiteUnavailable(site, "CANCELLED", "the session left this site") from None
+            raise
         healthy = False
         try:
             connection.settimeout(timeout_s)
@@ -192,6 +202,7 @@ class PublishPorts:
             connections = [] if known is None else [*known.idle, *known.busy]
             if known is not None:
                 known.idle = []
+                known.left += 1
         for connection in connections:
             _shut(connection)
 
@@ -201,6 +212,11 @@ class PublishPorts:
             sites = list(self._sites)
         for site in sites:
             self.drop(site)
+
+    def _times_left(self, site: str) -> int:
+        with self._lock:
+            known = self._sites.get(site)
+            return 0 if known is None else known.left
 
     def _take(self, site: str, timeout_s: float, *, fresh: bool = False) -> socket.socket:
         with self._lock:

@@ -793,3 +793,21 @@ def test_generated_frame_sequences_leave_exactly_the_answered_rows(
     finally:
         model.port.close()
     assert_replicas_hold_exactly(cluster, table, model.acked)
+
+
+@pytest.mark.unit
+def test_leaving_a_silent_site_while_its_port_is_dialled_ends_the_attempt() -> None:
+    """A frozen node's kernel still accepts connections, and its greeting never comes; the
+    session's hedge leaves the site meanwhile (drop). The attempt then fails at once with
+    SiteUnavailable instead of going on over gRPC (a channel nobody would close)."""
+    with socket.create_server(("127.0.0.1", 0)) as frozen:  # listens, never accepts
+        ports = PublishPorts(ManualClock())
+        site = "127.0.0.1:1"
+        ports.learn(site, frozen.getsockname()[1])
+        leave = threading.Timer(0.3, ports.drop, args=(site,))
+        leave.start()
+        with pytest.raises(SiteUnavailable, match="left this site"):
+            ports.publish(site, _request(), "", timeout_s=5)
+        leave.join()
+        with pytest.raises(PortRefused):  # not left again: the port is just set aside
+            ports.publish(site, _request(), "", timeout_s=5)
