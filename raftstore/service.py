@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2_grpc
 from hastream.errors import (
     CorruptionError,
     InvalidArgument,
+    NodeUnavailable,
     OffsetOutOfRange,
     RaftStoreError,
     ReplicaInDoubt,
@@ -151,12 +152,24 @@ def _advertising(answer: Callable[[], pb.PublishResponse], port: int) -> pb.Publ
 
 
 def group_of(node: NodeView, table: str, *, leader_only: bool = False) -> Group:
-    return routing.group_of(
-        node.groups(),
-        table,
-        leader_only=leader_only,
-        owner_of=routing.owner_in(node.catalog.authoritative_claims),
-    )
+    """The group of `table` on this node (routing.group_of). While the node still replays
+    its log it cannot tell a table it has not replayed yet from one that does not exist: it
+    says NodeUnavailable (retryable, the client asks elsewhere or again) instead of a
+    TableNotFound a client would believe. A restarted node serves from its first moment,
+    and a client that dials it at once (the publish port has no reconnect backoff) found
+    its table "not found" there for a few tens of milliseconds."""
+    try:
+        return routing.group_of(
+            node.groups(),
+            table,
+            leader_only=leader_only,
+            owner_of=routing.owner_in(node.catalog.authoritative_claims),
+        )
+    except TableNotFound:
+        if not node.ready():
+            reason = f"table {table!r} unknown here while this node replays its log"
+            raise NodeUnavailable(reason) from None
+        raise
 
 
 def _answering(context: grpc.ServicerContext, answer: Callable[[], Response]) -> Response:
