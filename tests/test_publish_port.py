@@ -419,6 +419,27 @@ def test_connections_over_the_bound_are_told_overloaded_and_publishes_go_over_gr
     assert_replicas_hold_exactly(cluster, "crowded", list(range(5)))
 
 
+def _kill_then_freeze_the_leader(cluster: LocalCluster, acked: list[int], step: int) -> None:
+    """The fault schedule of the publishers below, each fault once `step` more rows were
+    acknowledged: kill -9 the leader; restart it (a majority must be left when the next
+    one freezes); SIGSTOP the new leader; SIGCONT it."""
+
+    def more_acked(message: str) -> None:
+        mark = len(acked)
+        wait_until(lambda: len(acked) >= mark + step, timeout_s=60, message=message)
+
+    more_acked("appends flowing")
+    killed = cluster.leader(2)
+    cluster.kill(killed)
+    more_acked("appends resumed")
+    cluster.start_node(killed)
+    frozen = cluster.leader(2)
+    cluster.signal(frozen, signal.SIGSTOP)
+    more_acked("appends around the freeze")
+    cluster.signal(frozen, signal.SIGCONT)
+    more_acked("appends go on")
+
+
 @pytest.mark.cluster
 def test_no_acknowledged_row_is_lost_when_the_leader_is_killed_then_frozen(
     cluster: LocalCluster,
@@ -448,21 +469,7 @@ def test_no_acknowledged_row_is_lost_when_the_leader_is_killed_then_frozen(
     thread = threading.Thread(target=publish, daemon=True)
     thread.start()
     try:
-        wait_until(lambda: len(acked) >= 200, timeout_s=60, message="appends flowing")
-        killed = cluster.leader(2)
-        cluster.kill(killed)
-        mark = len(acked)
-        wait_until(lambda: len(acked) >= mark + 200, timeout_s=60, message="appends resumed")
-        cluster.start_node(killed)  # a majority must be left when the leader freezes
-        frozen = cluster.leader(2)
-        cluster.signal(frozen, signal.SIGSTOP)
-        mark = len(acked)
-        wait_until(
-            lambda: len(acked) >= mark + 200, timeout_s=60, message="appends around the freeze"
-        )
-        cluster.signal(frozen, signal.SIGCONT)
-        mark = len(acked)
-        wait_until(lambda: len(acked) >= mark + 100, timeout_s=60, message="appends go on")
+        _kill_then_freeze_the_leader(cluster, acked, step=200)
     finally:
         stop.set()
         thread.join(timeout=120)
@@ -651,19 +658,7 @@ def test_no_pipelined_row_is_lost_when_the_leader_is_killed_then_frozen(
     thread = threading.Thread(target=publish, daemon=True)
     thread.start()
     try:
-        wait_until(lambda: len(acked) >= 500, timeout_s=60, message="appends flowing")
-        killed = cluster.leader(2)
-        cluster.kill(killed)
-        mark = len(acked)
-        wait_until(lambda: len(acked) >= mark + 500, timeout_s=60, message="appends resumed")
-        cluster.start_node(killed)
-        frozen = cluster.leader(2)
-        cluster.signal(frozen, signal.SIGSTOP)
-        mark = len(acked)
-        wait_until(
-            lambda: len(acked) >= mark + 500, timeout_s=60, message="appends around the freeze"
-        )
-        cluster.signal(frozen, signal.SIGCONT)
+        _kill_then_freeze_the_leader(cluster, acked, step=500)
     finally:
         stop.set()
         thread.join(timeout=180)
