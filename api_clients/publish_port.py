@@ -27,7 +27,7 @@ publish_frames.FRAME_BYTES_MAX.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -97,7 +97,7 @@ class PublishPorts:
             known.port, known.retry_at = port, 0.0
             stale, known.idle = known.idle, []
         for connection in stale:
-            _shut(connection)
+            frames.shut(connection)
 
     def usable(self, site: str, payload_bytes: int) -> bool:
         """Whether a publish of `payload_bytes` to `site` should try the port."""
@@ -131,10 +131,9 @@ class PublishPorts:
         healthy = False
         try:
             connection.settimeout(timeout_s)
-            parts = [b"", *frames.publish_body(token, request.SerializeToString())]
-            parts[0] = frames.header(frames.PUBLISH, sum(len(part) for part in parts))
+            body_parts = frames.publish_body(token, request.SerializeToString())
             try:
-                connection.sendall(b"".join(parts))
+                frames.send_frame(connection, frames.PUBLISH, *body_parts)
                 kind, body = _read_frame(connection, frames.FRAME_BYTES_MAX)
             except TimeoutError:
                 raise DeadlineExceeded(site, timeout_s) from None
@@ -182,8 +181,7 @@ class PublishPorts:
         connection = self._take(site, CONNECT_TIMEOUT_S, fresh=True)
         try:
             connection.settimeout(None)  # a stream waits for answers as long as it runs
-            body = frames.stream_body(token)
-            connection.sendall(frames.header(frames.STREAM, len(body)) + body)
+            frames.send_frame(connection, frames.STREAM, frames.stream_body(token))
         except OSError:
             self._give_back(site, connection, healthy=False)
             raise PortRefused(site) from None
@@ -204,7 +202,7 @@ class PublishPorts:
                 known.idle = []
                 known.left += 1
         for connection in connections:
-            _shut(connection)
+            frames.shut(connection)
 
     def close(self) -> None:
         with self._lock:
@@ -226,7 +224,7 @@ class PublishPorts:
             while known.idle and not fresh:
                 connection = known.idle.pop()
                 if _closed_by_node(connection):  # idle too long, or the node restarted
-                    _shut(connection)
+                    frames.shut(connection)
                     continue
                 known.busy.add(connection)
                 return connection
@@ -253,12 +251,12 @@ class PublishPorts:
                 connection = self._tls.wrap_socket(
                     connection, server_hostname=self._server_name or host
                 )
-            connection.sendall(frames.header(frames.HELLO, len(frames.BANNER)) + frames.BANNER)
+            frames.send_frame(connection, frames.HELLO, frames.BANNER)
             kind, body = _read_frame(connection, frames.HELLO_BYTES_MAX)
             if kind != frames.HELLO or not body.startswith(frames.BANNER + b" "):
                 raise frames.FrameError(f"greeted with frame kind {kind}")
         except (OSError, EOFError, frames.FrameError) as error:
-            _shut(connection)
+            frames.shut(connection)
             self._set_aside(site, port, f"no publish port greeting: {error}")
             raise PortRefused(site) from None
         return connection
@@ -280,7 +278,7 @@ class PublishPorts:
                 if healthy and not self._closed:
                     known.idle.append(connection)
                     return
-        _shut(connection)
+        frames.shut(connection)
 
 
 def client_context(tls: ClientTls) -> ssl.SSLContext:
@@ -318,9 +316,8 @@ class PortStream(Stream):
     def _send(self, requests: Iterator[hastream_pb2.PublishBatch]) -> None:
         try:
             for batch in requests:
-                body = batch.SerializeToString()
-                self._connection.sendall(frames.header(frames.BATCH, len(body)) + body)
-            self._connection.sendall(frames.header(frames.END, 0))
+                frames.send_frame(self._connection, frames.BATCH, batch.SerializeToString())
+            frames.send_frame(self._connection, frames.END)
         except OSError:
             pass  # the connection ended: the reader says how
 
@@ -346,7 +343,7 @@ class PortStream(Stream):
             self._ended()
 
     def cancel(self) -> None:
-        _shut(self._connection)
+        frames.shut(self._connection)
 
 
 def _closed_by_node(connection: socket.socket) -> bool:
@@ -369,27 +366,19 @@ def _about_the_frame(error: RaftStoreError) -> bool:
 
 
 def _read_frame(connection: socket.socket, body_bytes_max: int) -> tuple[int, bytes]:
-    head = _read_exactly(connection, frames.HEADER.size)
-    kind, length = frames.parse_header(head, body_bytes_max)
-    return kind, _read_exactly(connection, length)
+    """publish_frames.read_frame on the socket itself: no buffered reader, whose state a
+    timeout would leave undefined on a pooled connection."""
+    return frames.read_frame(functools.partial(_read_exactly, connection), body_bytes_max)
 
 
 def _read_exactly(connection: socket.socket, size: int) -> bytes:
-    """`size` bytes; EOFError when the node closed first."""
-    if size == 0:
-        return b""
+    """`size` bytes, fewer only when the node closed first."""
     chunks: list[bytes] = []
     left = size
     while left:
         chunk = connection.recv(min(left, 1 << 20))
         if not chunk:
-            raise EOFError("the node closed the connection")
+            break
         chunks.append(chunk)
         left -= len(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _shut(connection: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        connection.shutdown(socket.SHUT_RDWR)
-    connection.close()

@@ -36,8 +36,12 @@ the body:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import ssl
 import struct
+from collections.abc import Callable
 from typing import Final
 
 from hastream import wire
@@ -77,6 +81,52 @@ class FrameError(ValueError):
 
 def header(kind: int, body_bytes: int) -> bytes:
     return HEADER.pack(body_bytes, kind)
+
+
+def frame(kind: int, *parts: bytes) -> bytes:
+    """One whole frame, its body `parts` joined (small frames; see `send_frame`)."""
+    return b"".join((header(kind, sum(len(part) for part in parts)), *parts))
+
+
+def send_frame(connection: socket.socket, kind: int, *parts: bytes) -> None:
+    """Sends one frame whose body is `parts`, without joining them on a plain socket (a
+    request's payload is copied once, into the kernel); a TLS socket has no sendmsg, so
+    there they are joined. Raises OSError."""
+    buffers = [header(kind, sum(len(part) for part in parts)), *parts]
+    if isinstance(connection, ssl.SSLSocket):
+        connection.sendall(b"".join(buffers))
+        return
+    views = [memoryview(buffer) for buffer in buffers if len(buffer)]
+    while views:  # bounded: every round sends at least one byte or raises
+        sent = connection.sendmsg(views)
+        while sent:
+            if sent < len(views[0]):
+                views[0], sent = views[0][sent:], 0
+            else:
+                sent -= len(views.pop(0))
+
+
+def read_frame(read: Callable[[int], bytes], body_bytes_max: int) -> tuple[int, bytes]:
+    """The next frame's (kind, body). `read(n)` returns n bytes, fewer only at the end of
+    the connection (a buffered reader's read). EOFError when the peer closed between
+    frames; FrameError for a bad header or a frame cut off by the peer."""
+    head = read(HEADER.size)
+    if not head:
+        raise EOFError("the connection ended")
+    if len(head) < HEADER.size:
+        raise FrameError("connection closed inside a frame header")
+    kind, length = parse_header(head, body_bytes_max)
+    body = read(length) if length else b""
+    if len(body) < length:
+        raise FrameError("connection closed inside a frame")
+    return kind, body
+
+
+def shut(connection: socket.socket) -> None:
+    """Closes `connection` at once, both ways (a thread blocked reading it wakes up)."""
+    with contextlib.suppress(OSError):
+        connection.shutdown(socket.SHUT_RDWR)
+    connection.close()
 
 
 def parse_header(data: bytes, body_bytes_max: int) -> tuple[int, int]:

@@ -41,7 +41,6 @@ from raftstore.auth import TOKEN_METADATA_KEY
 from raftstore.pipeline import StreamedPublish
 from raftstore.service import (
     NodeView,
-    StartedPublish,
     begin_publish,
     open_publish_stream,
     publish_acks,
@@ -99,7 +98,7 @@ class PublishPort:
         with self._lock:
             connections = list(self._connections)
         for connection in connections:
-            _shut(connection)
+            frames.shut(connection)
 
     def status(self) -> dict[str, int]:
         """The port, its open connections and the publishes it answered (GetNodeStatus,
@@ -146,13 +145,14 @@ class PublishPort:
             if self._tls is not None:
                 connection = self._handshake(connection)
             read = connection.makefile("rb", buffering=64 * 1024).read
-            kind, body = _read_frame(read, frames.HELLO_BYTES_MAX)
+            kind, body = frames.read_frame(read, frames.HELLO_BYTES_MAX)
             if kind != frames.HELLO or body != frames.BANNER:
                 raise frames.FrameError("the first frame is not this protocol's HELLO")
-            _send(connection, frames.HELLO, frames.BANNER + b" " + self._node.alias.encode())
+            greeting = frames.BANNER + b" " + self._node.alias.encode()
+            frames.send_frame(connection, frames.HELLO, greeting)
             connection.settimeout(IDLE_TIMEOUT_S)
             while not self._closed.is_set():
-                kind, body = _read_frame(read, frames.FRAME_BYTES_MAX)
+                kind, body = frames.read_frame(read, frames.FRAME_BYTES_MAX)
                 if kind == frames.STREAM:
                     if self._tls is not None:
                         # Its reader thread would read the TLS connection while this one
@@ -173,7 +173,7 @@ class PublishPort:
         finally:
             with self._lock:
                 self._connections.discard(connection)
-            _shut(connection)
+            frames.shut(connection)
 
     def _handshake(self, connection: socket.socket) -> socket.socket:
         """The TLS connection over `connection` (the handshake under the greeting's
@@ -199,9 +199,16 @@ class PublishPort:
             metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
             started = begin_publish(self._node, request, metadata)
         except RaftStoreError as error:
-            _send(connection, frames.ERROR, frames.error_body(error))
+            frames.send_frame(connection, frames.ERROR, frames.error_body(error))
             return
-        connection.sendall(self._answer_frame(started))
+        try:
+            response = started.answer()
+        except RaftStoreError as error:
+            frames.send_frame(connection, frames.ERROR, frames.error_body(error))
+            return
+        with self._lock:
+            self._answered += 1
+        frames.send_frame(connection, frames.ANSWER, response.SerializeToString())
 
     def _stream(self, connection: socket.socket, read: Callable[[int], bytes], body: bytes) -> None:
         """One PublishStream call on this connection (publish_frames' STREAM), served by
@@ -220,29 +227,19 @@ class PublishPort:
                 is_active=lambda: not self._closed.is_set(),
             )
         except RaftStoreError as error:
-            _send(connection, frames.ERROR, frames.error_body(error))
+            frames.send_frame(connection, frames.ERROR, frames.error_body(error))
             return
         try:
             for acks in publish_acks(stream):
-                _send(connection, frames.ACKS, acks.SerializeToString())
+                frames.send_frame(connection, frames.ACKS, acks.SerializeToString())
                 with self._lock:
                     self._answered += len(acks.responses)
         except RaftStoreError as error:
-            _send(connection, frames.ERROR, frames.error_body(error))
+            frames.send_frame(connection, frames.ERROR, frames.error_body(error))
         finally:
             stream.close()
         if garbage:  # after the answers of the requests before it, as gRPC's status
             raise garbage[0]
-
-    def _answer_frame(self, started: StartedPublish) -> bytes:
-        """The frame answering a publish once its entry was applied (or it failed)."""
-        try:
-            response = started.answer()
-        except RaftStoreError as error:
-            return _frame(frames.ERROR, frames.error_body(error))
-        with self._lock:
-            self._answered += 1
-        return _frame(frames.ANSWER, response.SerializeToString())
 
 
 def _batches(
@@ -253,7 +250,7 @@ def _batches(
     ends it too, noted in `garbage` for the connection's thread to answer."""
     while True:
         try:
-            kind, body = _read_frame(read, frames.FRAME_BYTES_MAX)
+            kind, body = frames.read_frame(read, frames.FRAME_BYTES_MAX)
             if kind == frames.END:
                 return  # the client's last request was read
             if kind != frames.BATCH:
@@ -270,40 +267,9 @@ def _batches(
         yield streamed(requests)
 
 
-def _frame(kind: int, body: bytes) -> bytes:
-    return frames.header(kind, len(body)) + body
-
-
-def _read_frame(read: Callable[[int], bytes], body_bytes_max: int) -> tuple[int, bytes]:
-    """The next frame's (kind, body), read with `read` (a buffered reader's). EOFError
-    when the peer closed between frames; FrameError for a bad header or a frame cut off."""
-    head = read(frames.HEADER.size)
-    if not head:
-        raise EOFError
-    if len(head) < frames.HEADER.size:
-        raise frames.FrameError("connection closed inside a frame header")
-    kind, length = frames.parse_header(head, body_bytes_max)
-    body = read(length) if length else b""
-    if len(body) < length:
-        raise frames.FrameError("connection closed inside a frame")
-    return kind, body
-
-
-def _send(connection: socket.socket, kind: int, body: bytes) -> None:
-    connection.sendall(_frame(kind, body))
-
-
 def _refuse(connection: socket.socket, error: RaftStoreError) -> None:
     """Tells the peer why (best effort), then closes."""
-    try:
-        connection.settimeout(1.0)
-        _send(connection, frames.ERROR, frames.error_body(error))
-    except OSError:
-        pass
-    _shut(connection)
-
-
-def _shut(connection: socket.socket) -> None:
     with contextlib.suppress(OSError):
-        connection.shutdown(socket.SHUT_RDWR)
-    connection.close()
+        connection.settimeout(1.0)
+        frames.send_frame(connection, frames.ERROR, frames.error_body(error))
+    frames.shut(connection)

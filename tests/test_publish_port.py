@@ -14,7 +14,7 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -155,7 +155,7 @@ def test_a_service_that_does_not_greet_like_a_publish_port_is_not_used() -> None
         with pytest.raises(PortRefused):
             ports.publish("127.0.0.1:1", _request(), "", timeout_s=2)
         thread.join(timeout=5)
-    assert received == [frames.header(frames.HELLO, len(frames.BANNER)) + frames.BANNER]
+    assert received == [frames.frame(frames.HELLO, frames.BANNER)]
     assert not ports.usable("127.0.0.1:1", 100)
 
 
@@ -203,7 +203,7 @@ class _RawPort:
         self.socket.sendall(data)
 
     def frame(self, kind: int, body: bytes) -> None:
-        self.send(frames.header(kind, len(body)) + body)
+        self.send(frames.frame(kind, body))
 
     def hello(self) -> bytes:
         self.frame(frames.HELLO, frames.BANNER)
@@ -242,8 +242,7 @@ class _RawPort:
 
 
 def _publish_frame(token: str, request: pb.PublishRequest) -> bytes:
-    body = b"".join(frames.publish_body(token, request.SerializeToString()))
-    return frames.header(frames.PUBLISH, len(body)) + body
+    return frames.frame(frames.PUBLISH, *frames.publish_body(token, request.SerializeToString()))
 
 
 @pytest.mark.cluster
@@ -320,9 +319,9 @@ def test_the_port_checks_logins_grants_and_rows_as_grpc_does(cluster: LocalClust
     "garbage",
     [
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # not this protocol at all
-        frames.header(frames.PUBLISH, 3) + b"abc",  # a PUBLISH before the HELLO
+        frames.frame(frames.PUBLISH, b"abc"),  # a PUBLISH before the HELLO
         frames.header(frames.HELLO, frames.HELLO_BYTES_MAX + 1),  # an oversized greeting
-        frames.header(frames.HELLO, 6) + b"hello!",  # a wrong banner
+        frames.frame(frames.HELLO, b"hello!"),  # a wrong banner
     ],
     ids=["http", "no-hello", "oversized-hello", "wrong-banner"],
 )
@@ -353,7 +352,7 @@ def test_garbage_after_the_greeting_writes_nothing_and_the_node_serves_on(
         frames.header(frames.PUBLISH, frames.FRAME_BYTES_MAX + 1),  # over the bound
         frames.header(7, 0),  # an unknown kind
         frames.header(frames.ANSWER, 0),  # a kind only nodes send
-        frames.header(frames.PUBLISH, 1) + b"\xff",  # shorter than its token length
+        frames.frame(frames.PUBLISH, b"\xff"),  # shorter than its token length
     ]
     for garbage in cases:
         raw = _RawPort(cluster, leader)
@@ -440,6 +439,40 @@ def _kill_then_freeze_the_leader(cluster: LocalCluster, acked: list[int], step: 
     more_acked("appends go on")
 
 
+PublishLoop = Callable[[Publisher, threading.Event, list[int], list[BaseException]], None]
+
+
+def _publish_through_faults(
+    cluster: LocalCluster, table: str, loop: PublishLoop, *, max_in_flight: int | None, step: int
+) -> list[int]:
+    """Runs `loop` (appending to `table`, noting each acknowledged key and each failure)
+    on a thread of its own while `_kill_then_freeze_the_leader` runs; returns the keys
+    acknowledged once the loop stopped and no node stays frozen."""
+    cluster.create_table(table, SCHEMA)
+    acked: list[int] = []
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def publish() -> None:
+        with _login(cluster, "admin", ADMIN_PASSWORD) as session:
+            publisher = Publisher(session, table, max_in_flight=max_in_flight)
+            loop(publisher, stop, acked, failures)
+            publisher.close()
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    try:
+        _kill_then_freeze_the_leader(cluster, acked, step=step)
+    finally:
+        stop.set()
+        thread.join(timeout=180)
+        for alias in cluster.alive():
+            cluster.signal(alias, signal.SIGCONT)
+    assert not thread.is_alive()
+    assert not failures, failures[:3]
+    return acked
+
+
 @pytest.mark.cluster
 def test_no_acknowledged_row_is_lost_when_the_leader_is_killed_then_frozen(
     cluster: LocalCluster,
@@ -448,36 +481,24 @@ def test_no_acknowledged_row_is_lost_when_the_leader_is_killed_then_frozen(
     is back, the next leader frozen (SIGSTOP): the publisher goes on through the others
     (a frozen leader's connection is closed by the session's hedge), and
     every row it was told is committed is on every replica once, in order."""
-    cluster.create_table("faults", SCHEMA)
-    acked: list[int] = []
-    stop = threading.Event()
-    failures: list[BaseException] = []
 
-    def publish() -> None:
-        with _login(cluster, "admin", ADMIN_PASSWORD) as session:
-            publisher = Publisher(session, "faults")
-            key = 0
-            while not stop.is_set():
-                try:
-                    publisher.append(rows(key, 1))
-                except RaftStoreError as error:  # the deadline passed: not acknowledged
-                    failures.append(error)
-                    continue
-                acked.append(key)
-                key += 1
+    def waited(
+        publisher: Publisher,
+        stop: threading.Event,
+        acked: list[int],
+        failures: list[BaseException],
+    ) -> None:
+        key = 0
+        while not stop.is_set():
+            try:
+                publisher.append(rows(key, 1))
+            except RaftStoreError as error:  # the deadline passed: not acknowledged
+                failures.append(error)
+                continue
+            acked.append(key)
+            key += 1
 
-    thread = threading.Thread(target=publish, daemon=True)
-    thread.start()
-    try:
-        _kill_then_freeze_the_leader(cluster, acked, step=200)
-    finally:
-        stop.set()
-        thread.join(timeout=120)
-        for alias in cluster.nodes:
-            if alias in cluster.alive():
-                cluster.signal(alias, signal.SIGCONT)
-    assert not thread.is_alive()
-    assert not failures, failures[:3]
+    acked = _publish_through_faults(cluster, "faults", waited, max_in_flight=None, step=200)
     assert _answered(cluster) > 0
     assert_replicas_hold_exactly(cluster, "faults", acked)
 
@@ -510,7 +531,7 @@ def test_a_lost_connection_after_the_request_was_sent_is_site_unavailable() -> N
             with connection:
                 connection.recv(1024)
                 body = frames.BANNER + b" node9"
-                connection.sendall(frames.header(frames.HELLO, len(body)) + body)
+                connection.sendall(frames.frame(frames.HELLO, body))
                 connection.recv(1 << 16)
 
         thread = threading.Thread(target=greet_then_drop, daemon=True)
@@ -527,13 +548,11 @@ def test_a_lost_connection_after_the_request_was_sent_is_site_unavailable() -> N
 
 
 def _batch_frame(*requests: pb.PublishRequest) -> bytes:
-    body = pb.PublishBatch(requests=list(requests)).SerializeToString()
-    return frames.header(frames.BATCH, len(body)) + body
+    return frames.frame(frames.BATCH, pb.PublishBatch(requests=list(requests)).SerializeToString())
 
 
 def _stream_frame(token: str) -> bytes:
-    body = frames.stream_body(token)
-    return frames.header(frames.STREAM, len(body)) + body
+    return frames.frame(frames.STREAM, frames.stream_body(token))
 
 
 @pytest.mark.cluster
@@ -594,7 +613,7 @@ def test_garbage_inside_a_stream_ends_it_after_the_answers_before_it(
         )
 
     garbage_frames = {
-        "not a PublishBatch": frames.header(frames.BATCH, 3) + b"\xff\xff\xff",
+        "not a PublishBatch": frames.frame(frames.BATCH, b"\xff\xff\xff"),
         "a PUBLISH inside a stream": _publish_frame(token, request(9)),
         "an unknown kind": frames.header(9, 0),
     }
@@ -634,38 +653,26 @@ def test_no_pipelined_row_is_lost_when_the_leader_is_killed_then_frozen(
     is back, the next leader frozen (SIGSTOP): the pipeline's watchdog cancels the frozen
     stream (closing its connection), resends elsewhere, and every acknowledged row is on
     every replica once, in order."""
-    cluster.create_table("stream_faults", SCHEMA)
-    acked: list[int] = []
-    stop = threading.Event()
-    failures: list[BaseException] = []
 
-    def publish() -> None:
-        with _login(cluster, "admin", ADMIN_PASSWORD) as session:
-            publisher = Publisher(session, "stream_faults", max_in_flight=8)
-            key = 0
-            while not stop.is_set():
-                window = [(k, publisher.append_async(rows(k, 1))) for k in range(key, key + 50)]
-                key += 50
-                for number, future in window:
-                    try:
-                        future.result(timeout=120)
-                    except RaftStoreError as error:
-                        failures.append(error)
-                        return
-                    acked.append(number)
-            publisher.close()
+    def pipelined(
+        publisher: Publisher,
+        stop: threading.Event,
+        acked: list[int],
+        failures: list[BaseException],
+    ) -> None:
+        key = 0
+        while not stop.is_set():
+            window = [(k, publisher.append_async(rows(k, 1))) for k in range(key, key + 50)]
+            key += 50
+            for number, future in window:
+                try:
+                    future.result(timeout=120)
+                except RaftStoreError as error:
+                    failures.append(error)
+                    return
+                acked.append(number)
 
-    thread = threading.Thread(target=publish, daemon=True)
-    thread.start()
-    try:
-        _kill_then_freeze_the_leader(cluster, acked, step=500)
-    finally:
-        stop.set()
-        thread.join(timeout=180)
-        for alias in cluster.alive():
-            cluster.signal(alias, signal.SIGCONT)
-    assert not thread.is_alive()
-    assert not failures, failures[:3]
+    acked = _publish_through_faults(cluster, "stream_faults", pipelined, max_in_flight=8, step=500)
     assert_replicas_hold_exactly(cluster, "stream_faults", acked)
 
 
@@ -752,9 +759,7 @@ class _Model:
             for sequence in range(1, batches + 1):
                 requests.append(self.request(2, producer, sequence))
                 self._acked(2)
-            raw.send(
-                _stream_frame(self.token) + _batch_frame(*requests) + frames.header(frames.END, 0)
-            )
+            raw.send(_stream_frame(self.token) + _batch_frame(*requests) + frames.frame(frames.END))
             answered = []
             while len(answered) < batches:
                 kind, body = raw.read()
