@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from raftstore.dedup import KeyWindow, ProducerRecord, ProducerWindow
+from raftstore.key_table import KeyTable, first_occurrences, last_occurrences
 
 
 def _keep(window: KeyWindow, keys: list[Any], key_type: pa.DataType | None = None) -> list[bool]:
@@ -195,6 +197,129 @@ def test_admit_is_filter_then_add(window_rows: int, batches: list[list[int | Non
             reference.offset_from,
             reference.offset_to,
         )
+
+
+@pytest.mark.property
+@given(
+    window_rows=st.integers(1, 40),
+    steps=st.lists(
+        st.one_of(
+            st.lists(st.none() | st.integers(-20, 60), max_size=30),
+            st.integers(0, 80).map(lambda rows: ("rebuild", rows)),
+        ),
+        max_size=25,
+    ),
+)
+def test_integer_and_python_windows_answer_alike(
+    window_rows: int, steps: list[list[int | None] | tuple[str, int]]
+) -> None:
+    """Integer keys go to the vectorized window, the same keys as strings to the dict one:
+    every mask, bound and entry agrees, through rebuilds from the table's last rows."""
+    integers, strings = KeyWindow(window_rows), KeyWindow(window_rows)
+    rows: list[int | None] = []  # The table: kept keys in offset order.
+
+    def text(key: int | None) -> str | None:
+        return None if key is None else str(key)
+
+    for step in steps:
+        if isinstance(step, tuple):
+            first = max(0, len(rows) - step[1])
+            integers.rebuild(pa.array(rows[first:], type=pa.int64()), first)
+            strings.rebuild(pa.array([text(key) for key in rows[first:]], pa.string()), first)
+        else:
+            kept = integers.admit(pa.array(step, type=pa.int64()), len(rows))
+            as_text = strings.admit(pa.array([text(key) for key in step], pa.string()), len(rows))
+            assert (kept is None) == (as_text is None)
+            mask = [True] * len(step) if kept is None else kept.to_pylist()
+            assert as_text is None or as_text.to_pylist() == mask
+            rows.extend(key for key, keep in zip(step, mask, strict=True) if keep)
+        assert (integers.offset_from, integers.offset_to, len(integers)) == (
+            strings.offset_from,
+            strings.offset_to,
+            len(strings),
+        )
+        assert integers.offset_to == len(rows)
+        assert [(offset, text(key)) for offset, key in integers.entries()] == strings.entries()
+        for probe in (None, -20, 0, 7, 60):
+            assert (probe in integers) == (text(probe) in strings)
+
+
+@pytest.mark.unit
+def test_integer_windows_of_every_width_and_temporal_type() -> None:
+    for key_type, keys in (
+        (pa.int8(), [-128, 127, -128, None, 5, None]),
+        (pa.uint64(), [2**64 - 1, 0, 2**64 - 1, 2**63, None]),
+        (pa.date32(), [0, 19000, 0, None]),
+        (pa.timestamp("ns"), [2**62, -(2**62), 2**62, None]),
+        (pa.duration("s"), [1, 1, 2]),
+    ):
+        window = KeyWindow(100)
+        array = pa.array(keys, type=key_type)
+        expected = [key not in keys[:index] for index, key in enumerate(keys)]
+        assert window.filter(array, 0).to_pylist() == expected, key_type
+        assert window.admit(array, 0) is not None
+        assert window.admit(array, window.offset_to).to_pylist() == [False] * len(keys)
+        stored = [key for key, keep in zip(keys, expected, strict=True) if keep]
+        assert [key for _, key in window.entries()] == stored, key_type  # temporal: storage
+    large = KeyWindow(10)
+    large.admit(pa.array([2**64 - 1], type=pa.uint64()), 0)
+    assert 2**64 - 1 in large
+    assert large.entries() == [(0, 2**64 - 1)]
+    chunked = KeyWindow(10)
+    mask = chunked.admit(pa.chunked_array([[1, 2], [2, None], [None]]), 0)
+    assert mask is not None
+    assert mask.to_pylist() == [True, True, False, True, False]
+    dictionary = KeyWindow(10)
+    assert dictionary.filter(pa.array([3, 4, 3]).dictionary_encode(), 0).to_pylist() == [
+        True,
+        True,
+        False,
+    ]
+
+
+@pytest.mark.property
+@given(
+    batches=st.lists(
+        st.lists(st.integers(-(2**63), 2**63 - 1) | st.integers(0, 300), max_size=200),
+        max_size=12,
+    )
+)
+def test_key_table_matches_a_dict(batches: list[list[int]]) -> None:
+    """Lookups and upserts through every growth of the table, against a dict."""
+    table, model = KeyTable(), {}
+    for offset, batch in enumerate(batches):
+        keys = np.array(batch, dtype=np.int64)
+        assert table.lookup(keys).tolist() == [model.get(key, -1) for key in batch]
+        last = last_occurrences(keys)
+        assert sorted(set(batch)) == sorted(keys[last].tolist())
+        first = first_occurrences(keys).tolist()
+        assert first == [key not in batch[:index] for index, key in enumerate(batch)]
+        offsets = np.arange(len(last), dtype=np.int64) + offset * 1000
+        table.upsert(keys[last], offsets)
+        model.update(zip(keys[last].tolist(), offsets.tolist(), strict=True))
+        assert len(table) == len(model)
+    held_keys, held_offsets = table.items()
+    assert dict(zip(held_keys.tolist(), held_offsets.tolist(), strict=True)) == model
+
+
+@pytest.mark.unit
+def test_a_million_row_window_of_ten_thousand_row_batches() -> None:
+    """The window's two tables take turns: after 300 batches, exactly the last 1,000,000
+    rows' keys are known (dense ids, then a batch of repeats of every age)."""
+    window = KeyWindow(1_000_000)
+    for batch in range(300):
+        ids = np.arange(batch * 10_000, (batch + 1) * 10_000, dtype=np.int64)
+        assert window.admit(pa.array(ids), window.offset_to) is None
+    assert (window.offset_from, window.offset_to) == (2_000_000, 3_000_000)
+    probe = pa.array([0, 1_999_999, 2_000_000, 2_999_999, 3_000_000, 2_000_000])
+    assert window.filter(probe, window.offset_to).to_pylist() == [
+        True,
+        True,
+        False,
+        False,
+        True,
+        False,
+    ]
 
 
 # --- ProducerWindow --------------------------------------------------------------------
