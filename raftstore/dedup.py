@@ -2,9 +2,10 @@
 
 - `KeyWindow`: a keyed table drops a row whose key is among the keys of the table's last
   `window_rows` rows, or appeared earlier in the same batch. Bounded: it holds the keys of
-  at most twice `window_rows` rows and a batch (integer keys: two generations of hash
-  tables, the older one dropped whole; other keys: exactly the window's). Offsets are row numbers since table creation; the window covers the
-  half-open range `[offset_from, offset_to)` and `offset_to` is the table's row count.
+  at most twice `window_rows` rows and a batch (integer keys: two generations of tables,
+  the older one dropped whole; other keys: exactly the window's). Offsets are row numbers
+  since table creation; the window covers the half-open range `[offset_from, offset_to)`
+  and `offset_to` is the table's row count.
 - `ProducerWindow`: an item whose `(producer_id, sequence)` is not above the producer's last
   applied sequence is a retry; it is answered with the stored result and not applied.
   Bounded: the least recently written producers beyond `producers_max` are forgotten.

@@ -1,22 +1,27 @@
-"""An insert-only hash table of 64-bit integer keys -> the offset of their latest row,
-whose lookups and inserts take a whole batch of keys at once (numpy, no per-key Python).
+"""An insert-only table of 64-bit integer keys -> the offset of their latest row, whose
+lookups and inserts take a whole batch of keys at once (numpy, no per-key Python).
 
 The key window of a table keyed by an integer or temporal column (`dedup.KeyWindow`) is
 two of these. A Python dict did the same one key at a time: `to_pylist`, a dict lookup, an
 insert and an eviction per row cost 1.4-2.3 ms per 10,000 rows on each replica, which
 made a keyed table's publishes half again as slow as an unkeyed one's.
 
-Open addressing with linear probing, at most half full, each slot a (key, offset) pair in
-one row so that a probe touches one cache line (offset -1: empty): a batch probes all its
-keys in rounds, each round one gather over the keys still unresolved. The table knows the
-smallest and largest key it holds, and only keys inside that range are probed: rising
-keys (an id, a timestamp) are all new and cost no probe at all. Nothing is ever deleted
-(the window drops a whole table once every offset in it has left the window), so there
-are no tombstones.
+Two modes:
+- **dense** while the keys lie close together (ids, millisecond timestamps, a few writers'
+  id ranges): blocks of 1,024 consecutive key values, each a row of offsets, found by a
+  sorted array of block ids: a batch is a few searches and one gather or scatter. A table
+  holds at most 4 block slots per key (plus one block); past that it turns to
+- **hashing**: open addressing with linear probing, at most half full, each slot a (key,
+  offset) pair in one row so that a probe touches one cache line (offset -1: empty): a
+  batch probes all its keys in rounds, each round one gather over the keys still
+  unresolved. Slots come from a multiply-shift hash of the key xor a salt drawn once per
+  process: the layout never changes a result (every answer depends on keys and offsets
+  only), and a publisher who cannot know the salt cannot choose keys that all land on one
+  chain.
 
-Slots come from a multiply-shift hash of the key xor a salt drawn once per process: the
-layout never changes a result (every answer depends on keys and offsets only), and a
-publisher who cannot know the salt cannot choose keys that all land on one chain.
+In both, the table knows the smallest and largest key it holds and looks up only keys
+inside that range: rising keys are all new and cost no lookup at all. Nothing is ever
+deleted (the window drops a whole table once every offset in it has left the window).
 """
 
 from __future__ import annotations
@@ -36,26 +41,27 @@ _MULTIPLIER: Final = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio, odd
 _SLOTS_MIN_BITS: Final = 6
 _KEY, _OFFSET = 0, 1  # The columns of a slot.
 _EMPTY: Final = -1
-# Dense mode holds up to this many slots per key (plus the slack) before the table turns
-# to hashing: ids and millisecond timestamps stay dense.
+# Dense mode: keys in blocks of 1,024 consecutive values (8 KiB of offsets each). A table
+# holds up to this many block slots per key (plus one block) before it turns to hashing:
+# ids and millisecond timestamps stay dense, as do a few writers' separate id ranges.
+_BLOCK_BITS: Final = 10
+_BLOCK: Final = 1 << _BLOCK_BITS
 _DENSE_SPREAD: Final = 4
-_DENSE_SLACK: Final = 1024
 
 
 class KeyTable:
     """key -> latest offset; `lookup` and `upsert` take arrays. Not thread-safe."""
 
-    __slots__ = ("_base", "_bits", "_bits_hint", "_count", "_dense", "_high", "_low", "_slots")
+    __slots__ = ("_bits", "_bits_hint", "_blocks", "_count", "_high", "_low", "_slots")
 
     def __init__(self, like: KeyTable | None = None) -> None:
         self._bits = _SLOTS_MIN_BITS
         self._slots = _empty_slots(self._bits)
-        # A table that replaces `like` hashes at its size at once: it will hold about as
-        # many keys.
+        # A table that replaces `like` will hold keys like its: it starts in its mode, and
+        # hashes at its size at once.
         self._bits_hint = _SLOTS_MIN_BITS if like is None else like._bits
-        # Dense mode (until the keys spread out): the offset of key k at _dense[k - _base].
-        self._dense: Offsets | None = np.empty(0, dtype=np.int64)
-        self._base = 0
+        dense = like is None or like._blocks is not None
+        self._blocks: _Blocks | None = _Blocks() if dense else None  # Until keys spread out.
         self._count = 0
         self._low, self._high = 0, -1  # The range of the keys held (empty: none).
 
@@ -68,8 +74,8 @@ class KeyTable:
         pending = np.flatnonzero((keys >= self._low) & (keys <= self._high))
         if not len(pending):
             return found
-        if self._dense is not None:
-            found[pending] = self._dense[keys[pending] - self._base]
+        if self._blocks is not None:
+            found[pending] = self._blocks.lookup(keys[pending])
             return found
         slots = self._home(keys)
         mask = (1 << self._bits) - 1
@@ -92,34 +98,20 @@ class KeyTable:
         low, high = int(keys.min()), int(keys.max())
         if self._high >= self._low:
             low, high = min(low, self._low), max(high, self._high)
-        if self._dense is not None and not self._dense_upsert(keys, offsets, low, high):
-            self._to_hash()
-        if self._dense is None:
+        if self._blocks is not None:
+            new = self._blocks.new_blocks(keys)
+            blocks = len(self._blocks) + len(new)
+            if blocks * _BLOCK <= _DENSE_SPREAD * (self._count + len(keys)) + _BLOCK:
+                self._count += self._blocks.upsert(keys, offsets, new)
+            else:
+                self._to_hash()
+        if self._blocks is None:
             self._hash_upsert(keys, offsets)
         self._low, self._high = low, high
 
-    def _dense_upsert(self, keys: Keys, offsets: Offsets, low: int, high: int) -> bool:
-        """Upserts in dense mode; False (nothing done) when the keys are too spread out."""
-        span = high - low + 1
-        if span > _DENSE_SPREAD * (self._count + len(keys)) + _DENSE_SLACK:
-            return False
-        assert self._dense is not None
-        if low < self._base or high >= self._base + len(self._dense):
-            grown = np.full(span + span // 2, _EMPTY, dtype=np.int64)
-            if self._count:
-                start = self._low - low
-                grown[start : start + self._high - self._low + 1] = self._dense[
-                    self._low - self._base : self._high - self._base + 1
-                ]
-            self._dense, self._base = grown, low
-        slots = keys - self._base
-        self._count += int(np.count_nonzero(self._dense[slots] == _EMPTY))
-        self._dense[slots] = offsets
-        return True
-
     def _to_hash(self) -> None:
         keys, offsets = self.items()
-        self._dense = None
+        self._blocks = None
         self._count = 0
         self._hash_upsert(keys, offsets)
 
@@ -152,9 +144,8 @@ class KeyTable:
 
     def items(self) -> tuple[Keys, Offsets]:
         """Every (key, offset) held, in no particular order."""
-        if self._dense is not None:
-            at = np.flatnonzero(self._dense != _EMPTY)
-            return at.astype(np.int64) + self._base, self._dense[at]
+        if self._blocks is not None:
+            return self._blocks.items()
         held = self._slots[self._slots[:, _OFFSET] != _EMPTY]
         return held[:, _KEY].copy(), held[:, _OFFSET].copy()
 
@@ -175,6 +166,70 @@ class KeyTable:
         """Each key's first slot."""
         mixed = (keys.view(np.uint64) ^ _SALT) * _MULTIPLIER
         return (mixed >> np.uint64(64 - self._bits)).astype(np.int64)
+
+
+class _Blocks:
+    """Dense mode: the offsets of keys `b * _BLOCK ...` in a row of `_BLOCK` (-1: absent)
+    per block id b in use; the block ids sorted, beside the row each one has."""
+
+    __slots__ = ("_ids", "_offsets", "_rows")
+
+    def __init__(self) -> None:
+        self._ids: Keys = np.empty(0, dtype=np.int64)  # Sorted.
+        self._rows: Indexes = np.empty(0, dtype=np.intp)  # The row of each id.
+        self._offsets: Offsets = np.empty((0, _BLOCK), dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def new_blocks(self, keys: Keys) -> Keys:
+        """The block ids `keys` need that are not in use yet, sorted."""
+        ids: Keys = keys >> _BLOCK_BITS
+        if len(ids) > 1 and bool(np.all(ids[1:] >= ids[:-1])):  # rising: no sort
+            ids = ids[np.concatenate(([True], ids[1:] != ids[:-1]))]
+        else:
+            ids = np.unique(ids)
+        if not len(self._ids):
+            return ids
+        at = np.minimum(np.searchsorted(self._ids, ids), len(self._ids) - 1)
+        new: Keys = ids[self._ids[at] != ids]
+        return new
+
+    def lookup(self, keys: Keys) -> Offsets:
+        found = np.full(len(keys), _EMPTY, dtype=np.int64)
+        if not len(self._ids):
+            return found
+        ids = keys >> _BLOCK_BITS
+        at = np.minimum(np.searchsorted(self._ids, ids), len(self._ids) - 1)
+        hit = np.flatnonzero(self._ids[at] == ids)
+        slots = (self._rows[at[hit]] << _BLOCK_BITS) + (keys[hit] & (_BLOCK - 1))
+        found[hit] = np.take(self._offsets, slots)  # indexes into the rows laid end to end
+        return found
+
+    def upsert(self, keys: Keys, offsets: Offsets, new: Keys) -> int:
+        """Sets each (distinct) key's offset, adding the blocks `new_blocks` named; returns
+        how many keys are new."""
+        if len(new):
+            used = len(self._ids)
+            if used + len(new) > len(self._offsets):
+                grown = np.full((max(2 * len(self._offsets), used + len(new)), _BLOCK), _EMPTY)
+                grown[:used] = self._offsets[:used]
+                self._offsets = grown
+            ids = np.concatenate([self._ids, new])
+            rows = np.concatenate([self._rows, np.arange(used, used + len(new))])
+            order = np.argsort(ids, kind="stable")
+            self._ids, self._rows = ids[order], rows[order]
+        rows = self._rows[np.searchsorted(self._ids, keys >> _BLOCK_BITS)]
+        slots = (rows << _BLOCK_BITS) + (keys & (_BLOCK - 1))
+        fresh = int(np.count_nonzero(np.take(self._offsets, slots) == _EMPTY))
+        np.put(self._offsets, slots, offsets)
+        return fresh
+
+    def items(self) -> tuple[Keys, Offsets]:
+        held = self._offsets[self._rows] != _EMPTY  # Rows in block-id order.
+        block, column = np.nonzero(held)
+        keys = (self._ids[block] << _BLOCK_BITS) + column
+        return keys, self._offsets[self._rows[block], column]
 
 
 def _empty_slots(bits: int) -> npt.NDArray[np.int64]:

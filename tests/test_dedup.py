@@ -280,7 +280,13 @@ def test_integer_windows_of_every_width_and_temporal_type() -> None:
 @pytest.mark.property
 @given(
     batches=st.lists(
-        st.lists(st.integers(-(2**63), 2**63 - 1) | st.integers(0, 300), max_size=200),
+        st.lists(
+            st.integers(-(2**63), 2**63 - 1)
+            | st.integers(0, 300)
+            | st.integers(-3000, 3000)
+            | st.integers(2**62, 2**62 + 5000),
+            max_size=200,
+        ),
         max_size=12,
     )
 )
