@@ -59,8 +59,9 @@ class KeyWindow:
     appeared earlier in its batch, is dropped.
 
     Keys of an integer or 32/64-bit temporal column (the usual key: an id, a timestamp) are
-    kept in vectorized hash tables (`_IntegerKeys`), any other type in a dict of Python
-    values (`_PythonKeys`); both answer alike (tests/test_dedup.py runs them side by side).
+    kept in tables that take a whole batch at once (`_IntegerKeys`, `key_table.KeyTable`),
+    any other type in a dict of Python values (`_PythonKeys`); both answer alike
+    (tests/test_dedup.py runs them side by side).
     The first keys the window sees choose; a table's key column has one type."""
 
     __slots__ = ("_keys", "_window_rows")
