@@ -86,7 +86,7 @@ class KeyWindow:
         return 0 if self._keys is None else self._keys.offset_to
 
     def __len__(self) -> int:
-        return 0 if self._keys is None else self._keys.offset_to - self._keys.offset_from
+        return 0 if self._keys is None else len(self._keys)
 
     def __contains__(self, key: object) -> bool:
         return self._keys is not None and key in self._keys
@@ -156,7 +156,36 @@ def _integer_keys(
     return values.astype(np.int64, copy=False), nulls
 
 
-class _IntegerKeys:
+class _Range:
+    """What both kinds of key window share: the rows `[offset_from, offset_to)` it covers,
+    at most `window_rows` of them."""
+
+    __slots__ = ("_offset_from", "_offset_to", "_window_rows")
+
+    def __init__(self, window_rows: int) -> None:
+        assert window_rows >= 1, window_rows
+        self._window_rows = window_rows
+        self._offset_from = self._offset_to = 0
+
+    @property
+    def window_rows(self) -> int:
+        return self._window_rows
+
+    @property
+    def offset_from(self) -> int:
+        """First offset the window covers (inclusive)."""
+        return self._offset_from
+
+    @property
+    def offset_to(self) -> int:
+        """End of the range the window covers (exclusive): the next row's offset."""
+        return self._offset_to
+
+    def __len__(self) -> int:
+        return self._offset_to - self._offset_from
+
+
+class _IntegerKeys(_Range):
     """A key window over 64-bit integer keys in `KeyTable`s, one per generation of
     `window_rows` offsets: the youngest takes every new key; a generation is dropped once
     the next one starts at or below `offset_from` (every offset it holds has left the
@@ -167,30 +196,14 @@ class _IntegerKeys:
     time at a 1,000,000-row window) and rising ones gained nothing. The null key's latest
     offset is kept beside the tables."""
 
-    __slots__ = (
-        "_generations",
-        "_null_offset",
-        "_offset_from",
-        "_offset_to",
-        "_unsigned",
-        "_window_rows",
-    )
+    __slots__ = ("_generations", "_null_offset", "_unsigned")
 
     def __init__(self, window_rows: int) -> None:
-        self._window_rows = window_rows
-        self._offset_from = self._offset_to = 0
+        super().__init__(window_rows)
         # (first offset, table), oldest first; the last one takes the writes.
         self._generations: deque[tuple[int, KeyTable]] = deque([(0, KeyTable())])
         self._null_offset = -1
         self._unsigned = False  # uint64 keys: shown by `entries` as what they were
-
-    @property
-    def offset_from(self) -> int:
-        return self._offset_from
-
-    @property
-    def offset_to(self) -> int:
-        return self._offset_to
 
     def __contains__(self, key: object) -> bool:
         if key is None:
@@ -304,35 +317,15 @@ class _IntegerKeys:
             self._generations.popleft()
 
 
-class _PythonKeys:
+class _PythonKeys(_Range):
     """A key window over Python values (any key type): key -> offset of the row holding it."""
 
-    __slots__ = ("_keys", "_offset_from", "_offset_to", "_offsets", "_window_rows")
+    __slots__ = ("_keys", "_offsets")
 
     def __init__(self, window_rows: int) -> None:
-        assert window_rows >= 1, window_rows
-        self._window_rows = window_rows
+        super().__init__(window_rows)
         self._keys: deque[Hashable] = deque()  # Keys of rows offset_from, offset_from + 1, ...
         self._offsets: dict[Hashable, int] = {}  # Key -> its latest offset in the window.
-        self._offset_from = 0
-        self._offset_to = 0
-
-    @property
-    def window_rows(self) -> int:
-        return self._window_rows
-
-    @property
-    def offset_from(self) -> int:
-        """First offset the window covers (inclusive)."""
-        return self._offset_from
-
-    @property
-    def offset_to(self) -> int:
-        """End of the range the window covers (exclusive): the next row's offset."""
-        return self._offset_to
-
-    def __len__(self) -> int:
-        return len(self._keys)
 
     def __contains__(self, key: object) -> bool:
         return key in self._offsets
