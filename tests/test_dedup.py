@@ -217,10 +217,7 @@ def test_integer_and_python_windows_answer_alike(
     every mask, bound and entry agrees, through rebuilds from the table's last rows."""
     integers, strings = KeyWindow(window_rows), KeyWindow(window_rows)
     rows: list[int | None] = []  # The table: kept keys in offset order.
-
-    def text(key: int | None) -> str | None:
-        return None if key is None else str(key)
-
+    text = _text
     for step in steps:
         if isinstance(step, tuple):
             first = max(0, len(rows) - step[1])
@@ -306,6 +303,47 @@ def test_key_table_matches_a_dict(batches: list[list[int]]) -> None:
         assert len(table) == len(model)
     held_keys, held_offsets = table.items()
     assert dict(zip(held_keys.tolist(), held_offsets.tolist(), strict=True)) == model
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", range(6))
+def test_integer_window_matches_the_dict_window_at_scale(seed: int) -> None:
+    """Thousands of rows per batch, windows of up to 5,000 rows: rising ranges that
+    overlap (dense blocks), random keys (hashing), the two mixed (a table turning from one
+    to the other), nulls, and rebuilds from the table's last rows. Seeded: a failure
+    names its seed."""
+    rng = np.random.default_rng(seed)
+    window_rows = int(rng.integers(1, 5000))
+    integers, strings = KeyWindow(window_rows), KeyWindow(window_rows)
+    rows: list[int | None] = []
+    rising = 0
+    for step in range(40):
+        count = int(rng.integers(0, 3000))
+        shape = (seed + step // 10) % 3
+        if shape == 0:
+            keys = rng.integers(0, 20_000, count)
+        elif shape == 1:
+            keys = np.arange(rising, rising + count) - rng.integers(0, 50, count)
+            rising += count
+        else:
+            keys = rng.integers(-(2**63), 2**63 - 1, count, dtype=np.int64)
+        nulls = rng.random(count) < 0.01
+        as_list = [None if null else int(key) for key, null in zip(keys, nulls, strict=True)]
+        if rng.random() < 0.1:
+            first = max(0, len(rows) - int(rng.integers(0, 2 * window_rows)))
+            integers.rebuild(pa.array(rows[first:], type=pa.int64()), first)
+            strings.rebuild(pa.array([_text(key) for key in rows[first:]], pa.string()), first)
+        kept = integers.admit(pa.array(as_list, type=pa.int64()), len(rows))
+        expected = strings.admit(pa.array([_text(key) for key in as_list], pa.string()), len(rows))
+        mask = [True] * count if kept is None else kept.to_pylist()
+        assert mask == ([True] * count if expected is None else expected.to_pylist()), (seed, step)
+        rows.extend(key for key, keep in zip(as_list, mask, strict=True) if keep)
+        assert (integers.offset_from, integers.offset_to) == (strings.offset_from, len(rows))
+    assert [(offset, _text(key)) for offset, key in integers.entries()] == strings.entries()
+
+
+def _text(key: int | None) -> str | None:
+    return None if key is None else str(key)
 
 
 @pytest.mark.unit
