@@ -439,14 +439,16 @@ def _kill_then_freeze_the_leader(cluster: LocalCluster, acked: list[int], step: 
     more_acked("appends go on")
 
 
-PublishLoop = Callable[[Publisher, threading.Event, list[int], list[BaseException]], None]
+# One round of a publisher under faults: appends from `key` on, notes the keys acknowledged
+# and the failures; returns the next key, or None to stop.
+PublishRound = Callable[[Publisher, int, list[int], list[BaseException]], int | None]
 
 
 def _publish_through_faults(
-    cluster: LocalCluster, table: str, loop: PublishLoop, *, max_in_flight: int | None, step: int
+    cluster: LocalCluster, table: str, round_: PublishRound, *, max_in_flight: int | None, step: int
 ) -> list[int]:
-    """Runs `loop` (appending to `table`, noting each acknowledged key and each failure)
-    on a thread of its own while `_kill_then_freeze_the_leader` runs; returns the keys
+    """Runs rounds of `round_` (appending to `table`, noting each acknowledged key and each
+    failure) on a thread of its own while `_kill_then_freeze_the_leader` runs; returns the keys
     acknowledged once the loop stopped and no node stays frozen."""
     cluster.create_table(table, SCHEMA)
     acked: list[int] = []
@@ -456,7 +458,9 @@ def _publish_through_faults(
     def publish() -> None:
         with _login(cluster, "admin", ADMIN_PASSWORD) as session:
             publisher = Publisher(session, table, max_in_flight=max_in_flight)
-            loop(publisher, stop, acked, failures)
+            key: int | None = 0
+            while key is not None and not stop.is_set():
+                key = round_(publisher, key, acked, failures)
             publisher.close()
 
     thread = threading.Thread(target=publish, daemon=True)
@@ -483,20 +487,15 @@ def test_no_acknowledged_row_is_lost_when_the_leader_is_killed_then_frozen(
     every row it was told is committed is on every replica once, in order."""
 
     def waited(
-        publisher: Publisher,
-        stop: threading.Event,
-        acked: list[int],
-        failures: list[BaseException],
-    ) -> None:
-        key = 0
-        while not stop.is_set():
-            try:
-                publisher.append(rows(key, 1))
-            except RaftStoreError as error:  # the deadline passed: not acknowledged
-                failures.append(error)
-                continue
-            acked.append(key)
-            key += 1
+        publisher: Publisher, key: int, acked: list[int], failures: list[BaseException]
+    ) -> int | None:
+        try:
+            publisher.append(rows(key, 1))
+        except RaftStoreError as error:  # the deadline passed: not acknowledged
+            failures.append(error)
+            return key
+        acked.append(key)
+        return key + 1
 
     acked = _publish_through_faults(cluster, "faults", waited, max_in_flight=None, step=200)
     assert _answered(cluster) > 0
@@ -655,22 +654,17 @@ def test_no_pipelined_row_is_lost_when_the_leader_is_killed_then_frozen(
     every replica once, in order."""
 
     def pipelined(
-        publisher: Publisher,
-        stop: threading.Event,
-        acked: list[int],
-        failures: list[BaseException],
-    ) -> None:
-        key = 0
-        while not stop.is_set():
-            window = [(k, publisher.append_async(rows(k, 1))) for k in range(key, key + 50)]
-            key += 50
-            for number, future in window:
-                try:
-                    future.result(timeout=120)
-                except RaftStoreError as error:
-                    failures.append(error)
-                    return
-                acked.append(number)
+        publisher: Publisher, key: int, acked: list[int], failures: list[BaseException]
+    ) -> int | None:
+        window = [(k, publisher.append_async(rows(k, 1))) for k in range(key, key + 50)]
+        for number, future in window:
+            try:
+                future.result(timeout=120)
+            except RaftStoreError as error:
+                failures.append(error)
+                return None
+            acked.append(number)
+        return key + 50
 
     acked = _publish_through_faults(cluster, "stream_faults", pipelined, max_in_flight=8, step=500)
     assert_replicas_hold_exactly(cluster, "stream_faults", acked)
