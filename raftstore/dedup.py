@@ -120,8 +120,11 @@ class KeyWindow:
     def _for(self, keys: pa.Array | pa.ChunkedArray) -> _PythonKeys | _IntegerKeys:
         integer = _integer_type(keys.type)
         if self._keys is None:
-            kind = _IntegerKeys if integer else _PythonKeys
-            self._keys = kind(self._window_rows)
+            self._keys = (
+                _IntegerKeys(self._window_rows, keys.type)
+                if integer
+                else _PythonKeys(self._window_rows)
+            )
         assert integer == isinstance(self._keys, _IntegerKeys), keys.type
         return self._keys
 
@@ -198,12 +201,15 @@ class _IntegerKeys(_Range):
 
     __slots__ = ("_generations", "_null_offset", "_unsigned")
 
-    def __init__(self, window_rows: int) -> None:
+    def __init__(self, window_rows: int, key_type: pa.DataType) -> None:
         super().__init__(window_rows)
         # (first offset, table), oldest first; the last one takes the writes.
         self._generations: deque[tuple[int, KeyTable]] = deque([(0, KeyTable())])
         self._null_offset = -1
-        self._unsigned = False  # uint64 keys: shown by `entries` as what they were
+        # uint64 keys are held by their bits: `entries` shows them as what they were.
+        if pa.types.is_dictionary(key_type):
+            key_type = key_type.value_type
+        self._unsigned = pa.types.is_uint64(key_type)
 
     def __contains__(self, key: object) -> bool:
         if key is None:
@@ -234,37 +240,31 @@ class _IntegerKeys(_Range):
 
     def filter(self, keys: pa.Array | pa.ChunkedArray, first_offset: int) -> pa.BooleanArray:
         assert first_offset == self._offset_to, (first_offset, self._offset_to)
-        values, nulls = self._values(keys)
+        values, nulls = _integer_keys(keys)
         return pa.array(self._keep(values, nulls), type=pa.bool_())
 
     def admit(self, keys: pa.Array | pa.ChunkedArray, first_offset: int) -> pa.BooleanArray | None:
         assert first_offset == self._offset_to, (first_offset, self._offset_to)
-        values, nulls = self._values(keys)
+        values, nulls = _integer_keys(keys)
         keep = self._keep(values, nulls)
         if keep.all():
-            self._append(values, nulls)
+            self._append(values, nulls, distinct=True)
             return None
-        self._append(values[keep], None if nulls is None else nulls[keep])
+        self._append(values[keep], None if nulls is None else nulls[keep], distinct=True)
         return pa.array(keep, type=pa.bool_())
 
     def add(self, kept_keys: pa.Array | pa.ChunkedArray, first_offset: int) -> None:
         assert first_offset == self._offset_to, (first_offset, self._offset_to)
-        self._append(*self._values(kept_keys))
+        self._append(*_integer_keys(kept_keys), distinct=False)
 
     def rebuild(self, keys: pa.Array | pa.ChunkedArray, first_offset: int) -> None:
         assert first_offset >= 0, first_offset
-        values, nulls = self._values(keys)
+        values, nulls = _integer_keys(keys)
         skip = max(0, len(values) - self._window_rows)
         self._offset_from = self._offset_to = first_offset + skip
         self._generations = deque([(self._offset_to, KeyTable())])
         self._null_offset = -1
-        self._append(values[skip:], None if nulls is None else nulls[skip:])
-
-    def _values(
-        self, keys: pa.Array | pa.ChunkedArray
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_] | None]:
-        self._unsigned = pa.types.is_unsigned_integer(keys.type) and keys.type.bit_width == 64
-        return _integer_keys(keys)
+        self._append(values[skip:], None if nulls is None else nulls[skip:], distinct=False)
 
     def _known(
         self, values: npt.NDArray[np.int64], nulls: npt.NDArray[np.bool_] | None
@@ -295,22 +295,32 @@ class _IntegerKeys(_Range):
             first[np.argmax(nulls)] = True
         return first & ~self._known(values, nulls)
 
-    def _append(self, values: npt.NDArray[np.int64], nulls: npt.NDArray[np.bool_] | None) -> None:
+    def _append(
+        self,
+        values: npt.NDArray[np.int64],
+        nulls: npt.NDArray[np.bool_] | None,
+        *,
+        distinct: bool,
+    ) -> None:
         """Record rows at offsets offset_to, offset_to + 1, ... (a key repeated among them
-        at its last row), then slide the window."""
+        at its last row; `distinct`: the caller knows none repeats, as `_keep` made them),
+        then slide the window."""
         young_from, young = self._generations[-1]
         if self._offset_to - young_from >= self._window_rows:
             self._generations.append((self._offset_to, KeyTable(like=young)))
-        offsets = np.arange(self._offset_to, self._offset_to + len(values), dtype=np.int64)
+        rows = len(values)
+        offsets = np.arange(self._offset_to, self._offset_to + rows, dtype=np.int64)
         if nulls is not None:
             null_rows = np.flatnonzero(nulls)
             if len(null_rows):
                 self._null_offset = int(offsets[null_rows[-1]])
             present = np.flatnonzero(~nulls)
             values, offsets = values[present], offsets[present]
-        last = last_occurrences(values)
-        self._generations[-1][1].upsert(values[last], offsets[last])
-        self._offset_to += len(offsets) if nulls is None else len(nulls)
+        if not distinct:
+            last = last_occurrences(values)
+            values, offsets = values[last], offsets[last]
+        self._generations[-1][1].upsert(values, offsets)
+        self._offset_to += rows
         self._offset_from = max(self._offset_from, self._offset_to - self._window_rows)
         # Every offset of a generation is below the next one's first offset.
         while len(self._generations) > 1 and self._generations[1][0] <= self._offset_from:

@@ -217,15 +217,14 @@ def test_integer_and_python_windows_answer_alike(
     every mask, bound and entry agrees, through rebuilds from the table's last rows."""
     integers, strings = KeyWindow(window_rows), KeyWindow(window_rows)
     rows: list[int | None] = []  # The table: kept keys in offset order.
-    text = _text
     for step in steps:
         if isinstance(step, tuple):
             first = max(0, len(rows) - step[1])
             integers.rebuild(pa.array(rows[first:], type=pa.int64()), first)
-            strings.rebuild(pa.array([text(key) for key in rows[first:]], pa.string()), first)
+            strings.rebuild(pa.array([_text(key) for key in rows[first:]], pa.string()), first)
         else:
             kept = integers.admit(pa.array(step, type=pa.int64()), len(rows))
-            as_text = strings.admit(pa.array([text(key) for key in step], pa.string()), len(rows))
+            as_text = strings.admit(pa.array([_text(key) for key in step], pa.string()), len(rows))
             assert (kept is None) == (as_text is None)
             mask = [True] * len(step) if kept is None else kept.to_pylist()
             assert as_text is None or as_text.to_pylist() == mask
@@ -236,9 +235,9 @@ def test_integer_and_python_windows_answer_alike(
             len(strings),
         )
         assert integers.offset_to == len(rows)
-        assert [(offset, text(key)) for offset, key in integers.entries()] == strings.entries()
+        assert [(offset, _text(key)) for offset, key in integers.entries()] == strings.entries()
         for probe in (None, -20, 0, 7, 60):
-            assert (probe in integers) == (text(probe) in strings)
+            assert (probe in integers) == (_text(probe) in strings)
 
 
 @pytest.mark.unit
