@@ -941,7 +941,10 @@ def test_a_publish_leaves_a_silent_leader_once_the_others_name_another(
     )
     asked = "GetStreamingLeader" if schema_known else "GetStreamingRaftGroups"
     assert new.calls(asked)
-    assert follower.calls(asked)
+    # The follower is asked at the same moment as the new leader (tests/test_call_policy.py
+    # holds that every other site is due), but the move needs only the new leader's own
+    # answer, and leaving closes the question still out: whether the follower's handler
+    # ran before the cancel reached it is a race (it lost once in a CI run), so not asserted.
     assert not old.calls(asked)  # the silent site itself is not asked
 
 
