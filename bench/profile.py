@@ -4,7 +4,7 @@
     python -m bench.profile --mode ha --threads 4 --batch 1 --pipeline 64   # PublishStream
 
 Starts a local three-node cluster, publishes to one table exactly as bench.throughput does
-(raw gRPC stubs, pre-built Arrow IPC payloads), and while the load runs records every node
+(over the publish port, pre-built Arrow IPC payloads), and while the load runs records every node
 process (and with --client this benchmark process) with `py-spy record --threads
 --function --nonblocking`. Without --idle the samples are CPU time (threads on CPU); with
 --idle every thread is sampled whether it runs or waits, which shows wall time: fdatasync,
@@ -36,10 +36,9 @@ from pathlib import Path
 from typing import Final
 
 from bench import common
-from bench.throughput import _channel, _PipelinedWorker, _Worker
+from bench.throughput import _PipelinedWorker, _port_publish, _Worker
 from deploy.local_cluster import LocalCluster
 from proto import hastream_pb2 as pb
-from proto import hastream_pb2_grpc
 
 
 # Stages of the write path, matched against the frames of a stack from the innermost out:
@@ -301,7 +300,7 @@ def _load(
     name: str,
     out: Path,
 ) -> dict[str, object]:
-    channels = [] if args.pipeline else [_channel(cluster, leader) for _ in range(args.threads)]
+    ports = []
     warm_s = 2.0
     barrier = threading.Barrier(args.threads + 1)
     deadline = [math.inf]
@@ -317,8 +316,10 @@ def _load(
             )
             continue
         requests = [pb.PublishRequest(table=table, payload=p) for p in shifted]
-        stub = hastream_pb2_grpc.StreamTableStub(channels[number])
-        workers.append(_Worker(stub, requests, 10**12, barrier, deadline))
+        # Over the publish port, as the grid's unary cells and the client's waited publishes.
+        publish, port = _port_publish(cluster, leader)
+        ports.append(port)
+        workers.append(_Worker(publish, requests, 10**12, barrier, deadline))
     for worker in workers:
         worker.start()
     pids = common.node_pids(cluster)
@@ -348,8 +349,8 @@ def _load(
     cpu = common.CpuSample.take(pids).cores_since(cpu_before, wall_s)
     for worker in workers:
         worker.join()
-    for channel in channels:
-        channel.close()
+    for port in ports:
+        port.close()
     latencies = [value for worker in workers for value in worker.latencies]
     return {
         "rows_per_s": rows / wall_s,
