@@ -359,6 +359,12 @@ def test_generated_cluster_cfg_is_accepted_by_the_node_parser(tmp_path: Path) ->
     # Clients are told the published sites, not the container names.
     advertised = [f"{n.advertised_host}:{n.advertised_port}" for n in cluster.nodes]
     assert advertised == plans.sites(planned)
+    # Every node serves a publish port, a free one apart from every client and Raft port.
+    publish_ports = [node.publish_port for node in cluster.nodes]
+    assert publish_ports == [n.publish_port for n in planned.nodes]
+    taken = {18901, 18902, 18903, *(port for _, port in planned.nodes[0].raft_ports)}
+    assert len(set(publish_ports)) == 3
+    assert not taken.intersection(publish_ports)
     assert plans.load("unit", tmp_path) == planned
     assert planned.config_path.parent.stat().st_mode & 0o077 == 0  # it holds the secret
     # TLS on every node, with certificates generated beside it; the CA key is never mounted.
@@ -408,6 +414,58 @@ def test_ensure_config_upgrades_a_cfg_without_advertised_sites(tmp_path: Path) -
 
 
 @pytest.mark.unit
+def test_a_deployment_planned_before_publish_ports_keeps_its_plan(tmp_path: Path) -> None:
+    planned = plans.plan(
+        None,
+        name="older",
+        state_root=tmp_path,
+        ports=[18931, 18932, 18933],
+        publish_ports=[18941, 18942, 18943],
+        subnet="10.9.5.0/24",
+    )
+    plans.save(planned)
+    assert [node.publish_port for node in config.load(planned.config_path).nodes] == [
+        18941,
+        18942,
+        18943,
+    ]
+    # deployment.json as the tool wrote it before nodes had publish ports.
+    path = planned.state_dir / "deployment.json"
+    document = json.loads(path.read_text())
+    for node in document["nodes"]:
+        del node["publish_port"]
+    path.write_text(json.dumps(document))
+    older = plans.load("older", tmp_path)
+    assert older is not None
+    assert [node.publish_port for node in older.nodes] == [None, None, None]
+    plans.ensure_config(older)  # what `up` does: its cfg is rewritten without the ports
+    assert [node.publish_port for node in config.load(planned.config_path).nodes] == [
+        None,
+        None,
+        None,
+    ]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("publish_ports", "problem"),
+    [([18951, 18952], "distinct publish ports"), ([18951, 18952, 18901], "client or Raft")],
+)
+def test_publish_ports_given_are_checked(
+    tmp_path: Path, publish_ports: list[int], problem: str
+) -> None:
+    with pytest.raises(plans.DeployError, match=problem):
+        plans.plan(
+            None,
+            name="bad",
+            state_root=tmp_path,
+            ports=[18901, 18902, 18903],
+            publish_ports=publish_ports,
+            subnet="10.9.4.0/24",
+        )
+
+
+@pytest.mark.unit
 def test_compose_cluster_cfg_matches_the_compose_file() -> None:
     cluster = config.load(REPO / "deploy" / "docker" / "cluster.cfg")
     compose = (REPO / "deploy" / "docker" / "docker-compose.yml").read_text()
@@ -451,6 +509,12 @@ def test_publish_through_published_ports_reaches_every_replica(deployment: Deplo
         learned = session.sites
     # The node names itself by its advertised address: the published site on this machine.
     assert leader == f"{deployment.site(alias)}:{alias}"
+    # The first publish went over gRPC (its answer names the publish port, and the NotLeader
+    # hint came from gRPC too); the rest over the leader's published publish port, in TLS.
+    status = tool.node_status(deployment, alias)
+    assert status is not None
+    assert status["publish_port"]["port"] == deployment.node(alias).publish_port
+    assert status["publish_port"]["answered"] >= 4
     assert learned == [deployment.site(follower), deployment.site(alias)]
     assert_every_ack_once_on_every_replica(deployment, table, acked)
 

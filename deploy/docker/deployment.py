@@ -61,6 +61,10 @@ class NodeSpec:
     ip: str  # static address on the cluster network
     port: int  # client gRPC port: the same number in the container and on the host
     raft_ports: tuple[tuple[int, int], ...]  # (group id, port) inside the container
+    # The publish port (raftstore/publish_port.py), published with the same number too:
+    # a client dials it on the host of the site it uses. None: not served (a deployment
+    # planned before the tool served one keeps its plan).
+    publish_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,12 +195,14 @@ def plan(
     node_count: int = 3,
     group_ids: Sequence[int] = (2, 3),
     ports: Sequence[int] | None = None,
+    publish_ports: Sequence[int] | None = None,
     publish_host: str = "127.0.0.1",
     subnet: str | None = None,
     election_timeout_s: float = 1.5,
     purge_interval_s: float = 300.0,
 ) -> Deployment:
-    """A new deployment: names, static addresses, client ports (free ones unless given)."""
+    """A new deployment: names, static addresses, client and publish ports (free ones
+    unless given)."""
     if node_count < 3:
         raise DeployError(f"a Raft group needs at least 3 nodes, got {node_count}")
     raft_ports = tuple(
@@ -209,6 +215,13 @@ def plan(
         raise DeployError(f"need {node_count} distinct client ports, got {list(ports)}")
     if reserved.intersection(ports):
         raise DeployError(f"client ports {sorted(reserved & set(ports))} are Raft ports")
+    if publish_ports is None:
+        publish_ports = free_ports(node_count, publish_host, exclude={*reserved, *ports})
+    if len(publish_ports) != node_count or len(set(publish_ports)) != node_count:
+        raise DeployError(f"need {node_count} distinct publish ports, got {list(publish_ports)}")
+    taken = {*reserved, *ports}.intersection(publish_ports)
+    if taken:
+        raise DeployError(f"publish ports {sorted(taken)} are client or Raft ports")
     network = ipaddress.IPv4Network(subnet or pick_subnet(client, name))
     if network.num_addresses < HOST_INDEX_FIRST + node_count + 1:
         raise DeployError(f"subnet {network} is too small for {node_count} nodes")
@@ -219,6 +232,7 @@ def plan(
             ip=str(network.network_address + HOST_INDEX_FIRST + number - 1),
             port=ports[number - 1],
             raft_ports=raft_ports,
+            publish_port=publish_ports[number - 1],
         )
         for number in range(1, node_count + 1)
     )
@@ -267,6 +281,8 @@ def render_config(deployment: Deployment, secret: str) -> str:
             f"{node.alias}.advertisedHost={deployment.client_host}",
             f"{node.alias}.advertisedPort={node.port}",  # published with the same number
         ]
+        if node.publish_port is not None:  # published with the same number
+            lines.append(f"{node.alias}.publishPort={node.publish_port}")
     return "\n".join(lines) + "\n"
 
 
@@ -366,6 +382,7 @@ def load(name: str = NAME_DEFAULT, state_root: Path = STATE_DIR_DEFAULT) -> Depl
             ip=node["ip"],
             port=int(node["port"]),
             raft_ports=tuple((int(g), int(p)) for g, p in node["raft_ports"]),
+            publish_port=_optional_int(node.get("publish_port")),
         )
         for node in document["nodes"]
     )
@@ -380,3 +397,7 @@ def load(name: str = NAME_DEFAULT, state_root: Path = STATE_DIR_DEFAULT) -> Depl
         nodes=nodes,
         state_dir=Path(document["state_dir"]),
     )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)

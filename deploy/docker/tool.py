@@ -1,7 +1,8 @@
 """A three-node cluster in Docker, on the Docker SDK (no compose, no docker CLI needed).
 
     python -m deploy.docker.tool build   [--force] [--base-image TAG]
-    python -m deploy.docker.tool up      [--ports 8901,8902,8903] [--publish-host 127.0.0.1]
+    python -m deploy.docker.tool up      [--ports 8901,8902,8903] [--publish-ports 8911,8912,8913]
+                                         [--publish-host 127.0.0.1]
     python -m deploy.docker.tool status
     python -m deploy.docker.tool kill NODE          SIGKILL the node's container (a crash)
     python -m deploy.docker.tool restart NODE       stop (if running), start, wait until ready
@@ -19,7 +20,9 @@ Topology of deployment NAME (every object is named NAME-... and labelled with NA
 - Each node's client port is the SAME number inside and outside, published on
   `127.0.0.1:P -> container:P`, so the generated cluster.cfg says `host=NAME-node1,
   port=P` (what the node binds and its peers dial) and `advertisedHost=127.0.0.1,
-  advertisedPort=P` (what clients are told). Raft ports are not published.
+  advertisedPort=P` (what clients are told). So is its publish port (`publishPort=Q`,
+  published `127.0.0.1:Q -> container:Q`): a client dials it on the host of the site it
+  uses, at the number the node reports. Raft ports are not published.
 - Every container's /etc/hosts names all nodes by their static addresses, and its own name
   as 0.0.0.0: a node binds its gRPC and Raft ports to its cfg host, so it listens on every
   interface, loopback included (the health check and a cut-off node stay reachable from
@@ -182,7 +185,11 @@ def create_container(client: Any, deployment: Deployment, node: NodeSpec) -> Any
         deployment.image,
         name=node.container,
         environment={"HASTREAM_NODE": node.alias, "HASTREAM_CONFIG": CONFIG_IN_CONTAINER},
-        ports={f"{node.port}/tcp": (deployment.publish_host, node.port)},
+        ports={
+            f"{port}/tcp": (deployment.publish_host, port)
+            for port in (node.port, node.publish_port)
+            if port is not None
+        },
         volumes={
             deployment.volume(node.alias, "raftlog"): {
                 "bind": f"{DATA_ROOT_IN_CONTAINER}/{node.alias}/raftlog",
@@ -591,6 +598,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--force", action="store_true", help="build: rebuild even if up to date")
     parser.add_argument("--no-build", action="store_true", help="up: do not build images")
     parser.add_argument("--ports", help="up: client ports, e.g. 8901,8902,8903 (default: free)")
+    parser.add_argument(
+        "--publish-ports", help="up: publish ports, e.g. 8911,8912,8913 (default: free)"
+    )
     parser.add_argument("--publish-host", default="127.0.0.1", help="up: address to publish on")
     parser.add_argument("--subnet", help="up: cluster network subnet (default: a free /24)")
     parser.add_argument("--election-timeout", type=float, default=1.5, help="up: seconds")
@@ -631,13 +641,13 @@ def _run(client: Any, args: argparse.Namespace) -> int:
         if not args.no_build:
             images.ensure_images(client, node_tag=args.image, base=args.base_image)
         if deployment is None:
-            ports = [int(p) for p in args.ports.split(",")] if args.ports else None
             deployment = plan(
                 client,
                 name=args.name,
                 state_root=args.state_dir,
                 image=args.image,
-                ports=ports,
+                ports=_port_list(args.ports),
+                publish_ports=_port_list(args.publish_ports),
                 publish_host=args.publish_host,
                 subnet=args.subnet,
                 election_timeout_s=args.election_timeout,
@@ -651,6 +661,10 @@ def _run(client: Any, args: argparse.Namespace) -> int:
         print(f"error: no deployment {args.name!r} in {args.state_dir}", file=sys.stderr)
         return 2
     return _act(client, deployment, args)
+
+
+def _port_list(text: str | None) -> list[int] | None:
+    return [int(port) for port in text.split(",")] if text else None
 
 
 def _act(client: Any, deployment: Deployment, args: argparse.Namespace) -> int:
