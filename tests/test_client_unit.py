@@ -1213,6 +1213,24 @@ def test_row_converter_refuses_null_in_a_non_nullable_column() -> None:
         batches.row_converter(schema, TABLE)((None,))
 
 
+def test_a_table_with_the_schema_is_refused_for_nulls_in_its_non_nullable_columns() -> None:
+    """A table carrying the table's very schema takes the quick check: only the nulls of the
+    non-nullable columns, found once per schema (a schema that differs only by one field's
+    nullability is another schema)."""
+    loose = pa.schema([("a", pa.int64()), ("b", pa.string()), ("c", pa.float64())])
+    strict = pa.schema([loose.field(0), loose.field(1).with_nullable(False), loose.field(2)])
+    with_null = pa.table([[1, None], ["x", None], [None, 2.0]], schema=loose)
+    assert batches.conform(with_null, loose, TABLE) is with_null  # every column nullable
+    strict_with_null = pa.Table.from_arrays(with_null.columns, schema=strict)
+    with pytest.raises(errors.SchemaMismatch, match="column 'b' is not nullable"):
+        batches.conform(strict_with_null, strict, TABLE)
+    without = pa.Table.from_arrays(
+        [with_null.column(0), pa.array(["x", "y"]), pa.array([1.0, None])], schema=strict
+    )
+    assert batches.conform(without, strict, TABLE) is without
+    assert batches.conform(with_null, loose, TABLE) is with_null  # the first schema's check
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     values=st.one_of(
