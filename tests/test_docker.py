@@ -466,6 +466,15 @@ def test_publish_ports_given_are_checked(
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("text", ["8911,x,8913", "8911,,8913", "0,8912,8913", "8911,8912,70000"])
+def test_port_options_that_are_not_port_numbers_are_refused(text: str) -> None:
+    with pytest.raises(plans.DeployError, match="--publish-ports"):
+        tool._port_list("--publish-ports", text)
+    assert tool._port_list("--ports", "8901,8902,8903") == [8901, 8902, 8903]
+    assert tool._port_list("--ports", None) is None
+
+
+@pytest.mark.unit
 def test_compose_cluster_cfg_matches_the_compose_file() -> None:
     cluster = config.load(REPO / "deploy" / "docker" / "cluster.cfg")
     compose = (REPO / "deploy" / "docker" / "docker-compose.yml").read_text()

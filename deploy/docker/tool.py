@@ -646,8 +646,8 @@ def _run(client: Any, args: argparse.Namespace) -> int:
                 name=args.name,
                 state_root=args.state_dir,
                 image=args.image,
-                ports=_port_list(args.ports),
-                publish_ports=_port_list(args.publish_ports),
+                ports=_port_list("--ports", args.ports),
+                publish_ports=_port_list("--publish-ports", args.publish_ports),
                 publish_host=args.publish_host,
                 subnet=args.subnet,
                 election_timeout_s=args.election_timeout,
@@ -663,8 +663,18 @@ def _run(client: Any, args: argparse.Namespace) -> int:
     return _act(client, deployment, args)
 
 
-def _port_list(text: str | None) -> list[int] | None:
-    return [int(port) for port in text.split(",")] if text else None
+def _port_list(option: str, text: str | None) -> list[int] | None:
+    """The ports of a comma-separated option; None when it is not given."""
+    if not text:
+        return None
+    try:
+        ports = [int(port) for port in text.split(",")]
+    except ValueError:
+        detail = f"{option} takes port numbers separated by commas, got {text!r}"
+        raise DeployError(detail) from None
+    if not all(0 < port < 65536 for port in ports):
+        raise DeployError(f"{option}: ports are 1-65535, got {text!r}")
+    return ports
 
 
 def _act(client: Any, deployment: Deployment, args: argparse.Namespace) -> int:
