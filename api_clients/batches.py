@@ -203,6 +203,16 @@ def encode(table: pa.Table) -> bytes:
     return b"".join([head, *(batch.serialize() for batch in record_batches), _END_OF_STREAM])
 
 
+def encode_batch(batch: pa.RecordBatch, schema: pa.Schema) -> bytes | None:
+    """`batch` (of `schema`'s fields) as one IPC stream under `schema`'s message, which
+    carries the schema's own metadata: the bytes `encode` makes of the table of that batch
+    with that schema, without the table. None when the schema takes the stream writer."""
+    head = _schema_messages.get(schema)
+    if head is None:
+        return None
+    return b"".join((head, batch.serialize(), _END_OF_STREAM))
+
+
 class PerSchema(Generic[T]):
     """What `make` derives from a schema, kept for the newest `size` schemas. Compared with
     their metadata (pyarrow's `==` ignores it); a publisher uses one schema, so the lookup

@@ -568,6 +568,29 @@ def test_publisher_splits_data_over_the_byte_limit(start_node: Callable[[], Fake
     assert node.table.equals(data)
 
 
+def test_row_tuples_over_the_byte_limit_are_split_and_one_too_large_is_refused(
+    start_node: Callable[[], FakeNode],
+) -> None:
+    """A few row tuples go out as one record batch when they fit in a request, else through
+    the general path's split; a row alone over the limit is refused with nothing sent."""
+    node = start_node()
+    tuples = [(number, number / 2, "x" * 400) for number in range(16)]
+    bytes_max = 2000
+    with make_session(site(node)) as session:
+        publisher = Publisher(session, TABLE, schema=SCHEMA, batch_bytes_max=bytes_max)
+        result = publisher.append(tuples)
+        with pytest.raises(errors.BatchTooLarge):
+            publisher.append([(99, 0.5, "x" * 5000)])
+        small = publisher.append([(16, 8.0, "s16")])
+    requests = node.calls("Publish")
+    assert len(requests) > 2
+    assert all(len(request.payload) <= bytes_max for request in requests)
+    assert (result.first_offset, result.row_count) == (0, 16)
+    assert (small.first_offset, small.row_count) == (16, 1)
+    assert node.table.column("id").to_pylist() == list(range(17))
+    assert node.table.column("sym").to_pylist() == ["x" * 400] * 16 + ["s16"]
+
+
 def test_single_row_over_the_byte_limit_raises_batch_too_large() -> None:
     table = batches.to_table([(1, 1.0, "x" * 5000)], SCHEMA, TABLE)
     with pytest.raises(errors.BatchTooLarge) as raised:
