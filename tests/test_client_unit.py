@@ -159,7 +159,10 @@ class FakeNode(hastream_pb2_grpc.StreamTableServicer):
     `read_scripts`: how the next Read calls end early.
     `silent`: methods that never answer (a leader cut off or frozen) until cancelled;
     `slow_s`: seconds a Publish waits before it answers (a slow but live leader).
-    `names`: the leader it names when asked (default itself)."""
+    `names`: the leader it names when asked (default itself).
+    `unavailable[method]`: the details of UNAVAILABLE failures of that method's next calls,
+    in order; the last one repeats for every call after (a transport failure, as gRPC's
+    channel reports it, rather than a node's typed error)."""
 
     def __init__(self) -> None:
         self.address = ""
@@ -178,6 +181,7 @@ class FakeNode(hastream_pb2_grpc.StreamTableServicer):
         self.silent: set[str] = set()
         self.slow_s = 0.0
         self.names: str | None = None
+        self.unavailable: dict[str, list[str]] = {}
 
     def calls(self, method: str) -> list[Any]:
         with self.lock:
@@ -187,6 +191,10 @@ class FakeNode(hastream_pb2_grpc.StreamTableServicer):
         with self.lock:
             self.requests[method].append(request)
             pending = self.errors[method].pop(0) if self.errors[method] else None
+            details = self.unavailable.get(method)
+            detail = None if not details else details.pop(0) if len(details) > 1 else details[0]
+        if detail is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, detail)
         if method in self.silent:
             cancelled = threading.Event()
             context.add_callback(cancelled.set)
@@ -429,23 +437,14 @@ def test_call_raises_last_error_when_deadline_passes(start_node: Callable[[], Fa
 
 
 def test_a_tls_hint_seen_during_the_call_is_the_error_it_raises(
-    start_node: Callable[[], FakeNode], monkeypatch: pytest.MonkeyPatch
+    start_node: Callable[[], FakeNode],
 ) -> None:
     """gRPC's polling engine says why a plaintext connection to a TLS node failed ("Socket
     closed") once; later attempts that run into the call's deadline while connecting only
     say that the connect timed out. The call raises the error that told why."""
     node = start_node()
-    details = iter(["Socket closed"])
-
-    enter = node._enter  # the servicer's methods are bound at start; the hook they call is not
-
-    def enter_unavailable(method: str, request: Any, context: grpc.ServicerContext) -> None:
-        enter(method, request, context)
-        if method == "GetTableInfo":
-            cause = "Failed to connect to remote host: FD Shutdown (connect() timed out)"
-            context.abort(grpc.StatusCode.UNAVAILABLE, next(details, cause))
-
-    monkeypatch.setattr(node, "_enter", enter_unavailable)
+    timed_out = "Failed to connect to remote host: FD Shutdown (connect() timed out)"
+    node.unavailable["GetTableInfo"] = ["Socket closed", timed_out]
     with (
         make_session(site(node), deadline_s=0.5) as session,
         pytest.raises(SiteUnavailable) as raised,
