@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import grpc
 import grpc.aio
@@ -47,13 +47,18 @@ from api_clients.pipeline import append_result
 from api_clients.retry import BACKOFF_INITIAL_S, BACKOFF_MAX_S, Backoff
 from api_clients.transport import StreamBroken, typed_error
 from api_clients.types import AppendResult, TableInfo
-from hastream.errors import InvalidArgument, RaftStoreError
+from hastream.errors import InvalidArgument, RaftStoreError, SchemaMismatch, TableNotFound
 from hastream.model import OFFSET_LATEST
 from hastream.tls import ClientTls
 from proto import hastream_pb2, hastream_pb2_grpc
 
+T = TypeVar("T")
+
 # Calls a group's leader answers: the site that answers one is remembered for the table.
 _LEADER_METHODS: Final = frozenset({"Publish", "HaStreamTable", "DropStreamTable"})
+# Tables whose schema, producer id and sequence a session remembers (the oldest is forgotten
+# beyond: its next append asks for the schema again, under a new producer id).
+TABLES_REMEMBERED_MAX: Final = 1024
 
 
 class AioSession:
@@ -88,6 +93,9 @@ class AioSession:
         self._leaders: dict[str, str] = {}  # table -> site that answered as its leader
         self._preferred = self._sites[0]
         self._publishers: dict[str, tuple[bytes, int]] = {}  # table -> producer id, sequence
+        # table -> its schema as last fetched: an append asked the cluster for it every time,
+        # a second round trip as long as the publish itself.
+        self._schemas: dict[str, pa.Schema] = {}
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -220,7 +228,7 @@ class AioSession:
     async def dropStreamTable(self, tableName: str, force: bool = False) -> None:
         request = hastream_pb2.DropTableRequest(table=tableName, force=force)
         await self.call("DropStreamTable", request, table=tableName)
-        self._publishers.pop(tableName, None)
+        self._forget(tableName)
 
     async def getTableInfo(self, tableName: str) -> TableInfo:
         request = hastream_pb2.TableRequest(table=tableName)
@@ -271,21 +279,64 @@ class AioSession:
     async def append(self, tableName: str, data: object) -> AppendResult:
         """Append `data` (a pyarrow Table, a pandas DataFrame or rows) to the table, in
         requests of at most the wire's batch size; the result of the first request, or of
-        the only one. Each request is retried with its producer id and sequence."""
-        info = await self.getTableInfo(tableName)
-        table = batches.to_table(data, info.schema, tableName)
-        producer_id, sequence = self._publishers.get(tableName, (secrets.token_bytes(16), 0))
-        first: AppendResult | None = None
-        for chunk in batches.encode_chunks(table):
-            sequence += 1
-            self._publishers[tableName] = (producer_id, sequence)
-            request = hastream_pb2.PublishRequest(
-                table=tableName, producer_id=producer_id, sequence=sequence, payload=chunk.payload
-            )
-            result = append_result(await self.call("Publish", request, table=tableName))
-            first = first or result
-        assert first is not None  # encode_chunks returns at least one chunk
+        the only one. Each request is retried with its producer id and sequence.
+
+        The table's schema is fetched once and remembered. When the data does not match it,
+        or the cluster refuses the first request for its schema or no longer has the table
+        (it may have been dropped and created again with another schema), the schema is
+        fetched again: data that matches the new one is appended (nothing of it was), other
+        data raises."""
+        cached = self._schemas.get(tableName)
+        table = await self._table_rows(tableName, data)
+        chunks = batches.encode_chunks(table)
+        try:
+            first = await self._publish(tableName, chunks[0])
+        except (SchemaMismatch, TableNotFound):
+            self._forget(tableName)  # and its producer: a table created again starts afresh
+            if cached is None:
+                raise
+            fresh = await self._schema(tableName)  # TableNotFound: it is really gone
+            if fresh.equals(table.schema, check_metadata=True):
+                raise
+            chunks = batches.encode_chunks(batches.to_table(data, fresh, tableName))
+            first = await self._publish(tableName, chunks[0])
+        for chunk in chunks[1:]:
+            await self._publish(tableName, chunk)
         return first
+
+    async def _table_rows(self, tableName: str, data: object) -> pa.Table:
+        """`data` as a table of the table's schema (the remembered one, or a fresh one when
+        it does not match that)."""
+        cached = self._schemas.get(tableName)
+        schema = cached or await self._schema(tableName)
+        try:
+            return batches.to_table(data, schema, tableName)
+        except SchemaMismatch:
+            if cached is None:
+                raise
+            fresh = await self._schema(tableName)
+            if fresh.equals(cached, check_metadata=True):
+                raise
+            return batches.to_table(data, fresh, tableName)
+
+    def _forget(self, tableName: str) -> None:
+        self._schemas.pop(tableName, None)
+        self._publishers.pop(tableName, None)
+
+    async def _schema(self, tableName: str) -> pa.Schema:
+        """The table's schema as the cluster has it now; remembered."""
+        schema = (await self.getTableInfo(tableName)).schema
+        _remember(self._schemas, tableName, schema)
+        return schema
+
+    async def _publish(self, tableName: str, chunk: batches.EncodedChunk) -> AppendResult:
+        """One request, under the table's producer id and its next sequence."""
+        producer_id, sequence = self._publishers.get(tableName, (secrets.token_bytes(16), 0))
+        _remember(self._publishers, tableName, (producer_id, sequence + 1))
+        request = hastream_pb2.PublishRequest(
+            table=tableName, producer_id=producer_id, sequence=sequence + 1, payload=chunk.payload
+        )
+        return append_result(await self.call("Publish", request, table=tableName))
 
     async def read(self, tableName: str, offsetFrom: int, offsetTo: int = -1) -> pa.Table:
         """The rows `[offsetFrom, offsetTo)`, from any replica; `-1`: up to the end, read at
@@ -400,3 +451,11 @@ async def connect(
 
 
 __all__ = ["AioSession", "connect"]
+
+
+def _remember(memory: dict[str, T], table: str, value: T) -> None:
+    """`memory[table] = value`, forgetting the oldest table beyond TABLES_REMEMBERED_MAX."""
+    memory.pop(table, None)
+    memory[table] = value
+    while len(memory) > TABLES_REMEMBERED_MAX:
+        del memory[next(iter(memory))]

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from api_clients import aio
-from hastream.errors import PermissionDenied, TableNotFound, Unauthenticated
+from hastream.errors import PermissionDenied, SchemaMismatch, TableNotFound, Unauthenticated
 from hastream.model import OFFSET_EARLIEST
 from tests.harness import LocalCluster, assert_replicas_hold_exactly
 
@@ -115,3 +115,62 @@ def test_logins_and_grants_apply_to_the_asyncio_client(tmp_path: Path) -> None:
         asyncio.run(scenario())
     finally:
         cluster.stop()
+
+
+def test_an_append_follows_a_table_created_again_with_another_schema(tmp_path: Path) -> None:
+    """A session remembers a table's schema; another client drops the table and creates it
+    again with other column types. Data that fits the new schema is appended once (after the
+    cluster refused the first try, or the remembered schema refused the data); data that
+    does not raises SchemaMismatch, with nothing appended."""
+    cluster = LocalCluster(tmp_path / "cluster")
+    cluster.start()
+    sites = [node.site for node in cluster.nodes.values()]
+    narrow = pa.schema([("id", pa.int64()), ("qty", pa.int32())])
+    wide = pa.schema([("id", pa.int64()), ("qty", pa.int64())])
+    with_sym = pa.schema([("id", pa.int64()), ("qty", pa.int64()), ("sym", pa.string())])
+
+    async def scenario() -> list[int]:
+        async with aio.AioSession(sites) as session, aio.AioSession(sites) as other:
+            await session.haStreamTable(2, narrow, "aio_again", 10_000)
+            await session.append("aio_again", [(0, 1), (1, 2)])  # the schema is remembered
+
+            async def create_again(schema: pa.Schema) -> None:
+                await other.dropStreamTable("aio_again")
+                await other.haStreamTable(2, schema, "aio_again", 10_000)
+
+            # Row tuples fit both: the remembered int32 schema converts them, the cluster
+            # refuses the request for its schema, and the fresh one is used.
+            await create_again(wide)
+            result = await session.append("aio_again", [(10, 2)])
+            assert (result.first_offset, result.row_count) == (0, 1)
+            # A pyarrow table of the new schema does not fit the remembered one.
+            await create_again(with_sym)
+            sym_rows = pa.table({"id": [11], "qty": [5], "sym": ["a"]}, schema=with_sym)
+            result = await session.append("aio_again", sym_rows)
+            assert (result.first_offset, result.row_count) == (0, 1)
+            with pytest.raises(SchemaMismatch):  # the old shape, against the fresh schema
+                await session.append("aio_again", [(12, 3)])
+            await session.append("aio_again", [(12, 3, "b")])
+            table = await session.read("aio_again", 0)
+            assert table.schema.equals(with_sym)
+            ids: list[int] = table.column("id").to_pylist()
+            return ids
+
+    try:
+        acked = asyncio.run(scenario())
+        assert acked == [11, 12]
+        assert_replicas_hold_exactly(cluster, "aio_again", acked)
+    finally:
+        cluster.stop()
+
+
+def test_a_session_remembers_at_most_tables_remembered_max_tables() -> None:
+    memory: dict[str, int] = {}
+    for number in range(aio.TABLES_REMEMBERED_MAX + 5):
+        aio._remember(memory, f"t{number}", number)
+    assert len(memory) == aio.TABLES_REMEMBERED_MAX
+    assert "t0" not in memory  # the oldest went first
+    aio._remember(memory, "t5", -1)  # remembered again: now the newest
+    aio._remember(memory, "extra", 0)
+    assert "t5" in memory
+    assert "t6" not in memory
