@@ -293,10 +293,8 @@ class AioSession:
             first = await self._publish(tableName, chunks[0])
         except (SchemaMismatch, TableNotFound):
             self._forget(tableName)  # and its producer: a table created again starts afresh
-            if cached is None:
-                raise
-            fresh = await self._schema(tableName)  # TableNotFound: it is really gone
-            if fresh.equals(table.schema, check_metadata=True):
+            fresh = None if cached is None else await self._changed_schema(tableName, table.schema)
+            if fresh is None:
                 raise
             chunks = batches.encode_chunks(batches.to_table(data, fresh, tableName))
             first = await self._publish(tableName, chunks[0])
@@ -312,16 +310,21 @@ class AioSession:
         try:
             return batches.to_table(data, schema, tableName)
         except SchemaMismatch:
-            if cached is None:
-                raise
-            fresh = await self._schema(tableName)
-            if fresh.equals(cached, check_metadata=True):
+            fresh = None if cached is None else await self._changed_schema(tableName, schema)
+            if fresh is None:
                 raise
             return batches.to_table(data, fresh, tableName)
 
     def _forget(self, tableName: str) -> None:
         self._schemas.pop(tableName, None)
         self._publishers.pop(tableName, None)
+
+    async def _changed_schema(self, tableName: str, than: pa.Schema) -> pa.Schema | None:
+        """The table's schema fetched again, if it is not `than` (the schema the data was
+        converted to); None when it is the same. Raises TableNotFound when the table is
+        really gone."""
+        fresh = await self._schema(tableName)
+        return None if fresh.equals(than, check_metadata=True) else fresh
 
     async def _schema(self, tableName: str) -> pa.Schema:
         """The table's schema as the cluster has it now; remembered."""
@@ -450,12 +453,12 @@ async def connect(
     return session
 
 
-__all__ = ["AioSession", "connect"]
-
-
 def _remember(memory: dict[str, T], table: str, value: T) -> None:
     """`memory[table] = value`, forgetting the oldest table beyond TABLES_REMEMBERED_MAX."""
     memory.pop(table, None)
     memory[table] = value
     while len(memory) > TABLES_REMEMBERED_MAX:
         del memory[next(iter(memory))]
+
+
+__all__ = ["AioSession", "connect"]
