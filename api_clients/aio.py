@@ -18,14 +18,17 @@ resumes after a failure from the row after the last one it yielded, on whichever
 then. Errors are the same typed errors (hastream.errors and api_clients.transport).
 
 With `userid`/`password` it logs in at `connect` and sends the token with every call
-(login.py). No hedging of silent leaders: a frozen leader is left by gRPC keepalive
-(about 15 s), as the threaded client's backstop does.
+(login.py). Appends go over a node's publish port once its answer over gRPC named one
+(aio_port.py), as the threaded client's waited appends do. No hedging of silent leaders: a
+frozen leader is left by gRPC keepalive (about 15 s), as the threaded client's backstop
+does, or, over the port, when the attempt's timeout passes.
 
 Not thread-safe: one event loop owns a session.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final, TypeVar
@@ -35,6 +38,7 @@ import grpc.aio
 import pyarrow as pa
 
 from api_clients import admin, batches
+from api_clients.aio_port import AioPublishPorts
 from api_clients.call_policy import AttemptState, decide_after, leader_named
 from api_clients.connection import (
     ATTEMPT_TIMEOUT_S_DEFAULT,
@@ -44,6 +48,7 @@ from api_clients.connection import (
 )
 from api_clients.login import TOKEN_METADATA_KEY, Login
 from api_clients.pipeline import append_result
+from api_clients.publish_port import PortRefused, client_context
 from api_clients.retry import BACKOFF_INITIAL_S, BACKOFF_MAX_S, Backoff
 from api_clients.transport import StreamBroken, typed_error
 from api_clients.types import AppendResult, TableInfo
@@ -96,10 +101,17 @@ class AioSession:
         # table -> its schema as last fetched: an append asked the cluster for it every time,
         # a second round trip as long as the publish itself.
         self._schemas: dict[str, pa.Schema] = {}
+        # Publishes over the nodes' publish ports (TLS as on the client port).
+        self._ports = (
+            AioPublishPorts()
+            if tls is None
+            else AioPublishPorts(tls=client_context(tls), server_name=tls.server_name)
+        )
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def close(self) -> None:
+        await self._ports.close()
         channels = list(self._channels.values())
         self._channels.clear()
         for channel in channels:
@@ -181,16 +193,41 @@ class AioSession:
             timeout_s = max(0.01, min(self._timeout_s, backoff.remaining_s()))
             metadata = () if method_name == "Login" else await self._metadata()
             try:
-                method = getattr(self._stub(target), method_name)
-                reply = await method(request, timeout=timeout_s, metadata=metadata)
+                if method_name == "Publish":
+                    reply = await self._publish_once(target, request, timeout_s, metadata)
+                else:
+                    method = getattr(self._stub(target), method_name)
+                    reply = await method(request, timeout=timeout_s, metadata=metadata)
             except grpc.aio.AioRpcError as rpc_error:
                 error = typed_error(rpc_error, target, timeout_s)
+                memory, target = await self._retry_at(memory, target, error, backoff, table)
+                continue
+            except RaftStoreError as error:  # the publish port's, typed as gRPC's are
                 memory, target = await self._retry_at(memory, target, error, backoff, table)
                 continue
             self._preferred = target
             if table is not None and method_name in _LEADER_METHODS:
                 self._leaders[table] = target
             return reply
+
+    async def _publish_once(
+        self,
+        target: str,
+        request: hastream_pb2.PublishRequest,
+        timeout_s: float,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> hastream_pb2.PublishResponse:
+        """One Publish attempt on `target`: over its publish port when it has one
+        (aio_port.py), else over gRPC, whose answer names the port."""
+        if self._ports.usable(target, len(request.payload)):
+            token = dict(metadata).get(TOKEN_METADATA_KEY, "")
+            with contextlib.suppress(PortRefused):  # nothing was sent: gRPC it is
+                return await self._ports.publish(target, request, token, timeout_s)
+        reply: hastream_pb2.PublishResponse = await self._stub(target).Publish(
+            request, timeout=timeout_s, metadata=metadata
+        )
+        self._ports.learn(target, reply.publish_port)
+        return reply
 
     def _learn(self, address: str | None) -> str | None:
         if address is None:

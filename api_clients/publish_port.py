@@ -152,7 +152,7 @@ class PublishPorts:
                 if typed is None:
                     raise RpcFailed(site, "UNKNOWN", f"publish port error: {body[:200]!r}")
                 # The node closes the connection after an error about the frame itself.
-                healthy = not _about_the_frame(typed)
+                healthy = not about_the_frame(typed)
                 raise typed
             raise RpcFailed(site, "INTERNAL", f"publish port answered frame kind {kind}")
         finally:
@@ -361,7 +361,7 @@ def _closed_by_node(connection: socket.socket) -> bool:
         return True
 
 
-def _about_the_frame(error: RaftStoreError) -> bool:
+def about_the_frame(error: RaftStoreError) -> bool:
     return getattr(error, "argument", None) == "publish port frame"
 
 

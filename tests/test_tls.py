@@ -4,13 +4,15 @@ certificate-less clients with an error that says why."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
-from api_clients import connect
+from api_clients import aio, connect
+from api_clients.aio_port import AioPublishPorts
 from api_clients.connection import Session
 from api_clients.publish_port import PortRefused, PublishPorts, client_context
 from api_clients.publisher import Publisher
@@ -174,6 +176,27 @@ def test_waited_publishes_take_the_publish_port_over_mutual_tls(
 
 
 @pytest.mark.cluster
+def test_the_asyncio_client_publishes_over_the_port_with_mutual_tls(
+    tls_cluster: LocalCluster,
+) -> None:
+    app = DevCA(tls_cluster.root / "tls").client("app")
+    sites = [node.site for node in tls_cluster.nodes.values()]
+    before = _answered_on_ports(tls_cluster)
+
+    async def scenario() -> None:
+        async with aio.AioSession(sites, tls=app) as session:
+            await session.haStreamTable(2, SCHEMA, "tls_aio_rows", 10_000)
+            for key in range(20):  # the first over gRPC, which names the port
+                row = {"id": [key], "ts": pa.array([key], pa.timestamp("ms")), "sym": ["a"]}
+                result = await session.append("tls_aio_rows", pa.table(row, schema=SCHEMA))
+                assert result.first_offset == key
+
+    asyncio.run(scenario())
+    assert _answered_on_ports(tls_cluster) - before == 19
+    assert_replicas_hold_exactly(tls_cluster, "tls_aio_rows", list(range(20)))
+
+
+@pytest.mark.cluster
 @pytest.mark.parametrize("client", ["plaintext", "no-client-cert", "foreign-ca"])
 def test_the_publish_port_refuses_what_the_client_port_refuses(
     tls_cluster: LocalCluster, tmp_path: Path, client: str
@@ -200,6 +223,16 @@ def test_the_publish_port_refuses_what_the_client_port_refuses(
     with pytest.raises(PortRefused):
         ports.publish(site, request, "", timeout_s=5)
     assert not ports.usable(site, 0)  # set aside: gRPC for a while
+    # The asyncio client's ports alike.
+    aio_ports = (
+        AioPublishPorts(ManualClock())
+        if tls is None
+        else AioPublishPorts(ManualClock(), tls=client_context(tls))
+    )
+    aio_ports.learn(site, int(tls_cluster.status(leader)["publish_port"]["port"]))
+    with pytest.raises(PortRefused):
+        asyncio.run(aio_ports.publish(site, request, "", timeout_s=5))
+    assert not aio_ports.usable(site, 0)
 
 
 @pytest.mark.cluster

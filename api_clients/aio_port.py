@@ -1,0 +1,233 @@
+"""The asyncio client's publishes over a node's publish port (raftstore/publish_port.py).
+
+api_clients/publish_port.py does this for the threaded Session; here the same exchange runs
+on the session's event loop: a waited publish over `grpc.aio` costs a Python gRPC call on
+each side (~0.3 ms), the framed exchange on a plain connection a few tens of microseconds.
+Same frames (hastream/publish_frames.py), same rules:
+
+- a site's port is learned from a gRPC Publish's answer (`PublishResponse.publish_port`);
+- the port is an optimisation, never a requirement: a port that cannot be dialled, or that
+  does not greet like a publish port, raises PortRefused with nothing sent (the attempt
+  goes over gRPC) and is tried again after publish_port.PORT_RETRY_S;
+- once a request was sent, a lost connection is the attempt's failure (SiteUnavailable,
+  retried by the session with the same producer id and sequence, so a publish that did
+  commit is answered as a duplicate), and no answer within the attempt's timeout is
+  DeadlineExceeded;
+- TLS as on the client port (the session's CA and client certificate, the node's name
+  checked).
+
+Waited publishes only: the asyncio client has no pipelines. Bounded as the threaded client's:
+at most publish_port.CONNECTIONS_PER_SITE_MAX connections per site (beyond them, gRPC), a
+frame read only up to publish_frames.FRAME_BYTES_MAX. A connection serves one request at a
+time; one whose request was cut short (a timeout, a cancelled task) is closed, never reused
+with an answer still on its way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from api_clients.publish_port import (
+    CONNECT_TIMEOUT_S,
+    CONNECTIONS_PER_SITE_MAX,
+    PORT_RETRY_S,
+    PortRefused,
+    about_the_frame,
+)
+from api_clients.transport import DeadlineExceeded, RpcFailed, SiteUnavailable
+from hastream import publish_frames as frames
+from proto import hastream_pb2
+
+log = logging.getLogger(__name__)
+
+_Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+@dataclass
+class _Site:
+    port: int = 0  # as the node said; 0: none known
+    retry_at: float = 0.0  # monotonic time before which the port is not dialled again
+    idle: list[_Connection] = field(default_factory=list)
+    busy: int = 0  # connections out for a request, dials included
+
+
+class AioPublishPorts:
+    """One AioSession's publish-port connections, on its event loop (not thread-safe, as
+    the session)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
+    ) -> None:
+        self._clock = clock
+        self._tls = tls
+        self._server_name = server_name
+        self._sites: dict[str, _Site] = {}
+        self._closed = False
+
+    def learn(self, site: str, port: int) -> None:
+        """`site` (host:port of its gRPC) serves publishes on `port` (0: it does not)."""
+        known = self._sites.setdefault(site, _Site())
+        if known.port == port:
+            return
+        known.port, known.retry_at = port, 0.0
+        stale, known.idle = known.idle, []
+        for _, writer in stale:
+            writer.close()
+
+    def usable(self, site: str, payload_bytes: int) -> bool:
+        """Whether a publish of `payload_bytes` to `site` should try the port."""
+        known = self._sites.get(site)
+        return (
+            not self._closed
+            and payload_bytes <= frames.PAYLOAD_BYTES_MAX
+            and known is not None
+            and known.port != 0
+            and known.retry_at <= self._clock()
+        )
+
+    async def publish(
+        self, site: str, request: hastream_pb2.PublishRequest, token: str, timeout_s: float
+    ) -> hastream_pb2.PublishResponse:
+        """Sends `request` over `site`'s publish port and waits for its answer. Raises
+        PortRefused when the port cannot be used (nothing sent: use gRPC), the node's
+        typed error, or SiteUnavailable / DeadlineExceeded / RpcFailed."""
+        known, port, (reader, writer) = await self._take(site)
+        healthy = False
+        try:
+            body_parts = frames.publish_body(token, request.SerializeToString())
+            writer.write(frames.frame(frames.PUBLISH, *body_parts))
+            try:
+                kind, body = await asyncio.wait_for(_exchange(reader, writer), timeout_s)
+            except TimeoutError:
+                raise DeadlineExceeded(site, timeout_s) from None
+            except (OSError, EOFError, asyncio.IncompleteReadError, frames.FrameError) as error:
+                raise SiteUnavailable(
+                    site, "UNAVAILABLE", f"publish port connection lost: {error!r}"
+                ) from None
+            if kind == frames.ANSWER:
+                healthy = True
+                response: hastream_pb2.PublishResponse = hastream_pb2.PublishResponse.FromString(
+                    body
+                )
+                return response
+            if kind == frames.ERROR:
+                typed = frames.parse_error(body)
+                if typed is None:
+                    raise RpcFailed(site, "UNKNOWN", f"publish port error: {body[:200]!r}")
+                # The node closes the connection after an error about the frame itself.
+                healthy = not about_the_frame(typed)
+                raise typed
+            raise RpcFailed(site, "INTERNAL", f"publish port answered frame kind {kind}")
+        finally:
+            # Also when the task was cancelled mid-request: an unhealthy connection is
+            # closed, so no late answer is ever read as the next request's.
+            self._give_back(known, port, (reader, writer), healthy)
+
+    async def close(self) -> None:
+        """Closes every idle connection; one out for a request is closed when it returns."""
+        self._closed = True
+        writers = [writer for known in self._sites.values() for _, writer in known.idle]
+        for known in self._sites.values():
+            known.idle = []
+        for writer in writers:
+            writer.close()
+        for writer in writers:
+            with contextlib.suppress(OSError, ssl.SSLError):
+                await writer.wait_closed()
+
+    async def _take(self, site: str) -> tuple[_Site, int, _Connection]:
+        """An idle connection to `site`'s port, or a new one; with the port it goes to."""
+        known = self._sites.get(site)
+        if self._closed or known is None or known.port == 0:
+            raise PortRefused(site)
+        port = known.port
+        while known.idle:
+            reader, writer = known.idle.pop()
+            # The node's FIN (an idle connection it closed, or a restart): a request sent
+            # on it would fail although the node is there.
+            if reader.at_eof() or writer.is_closing():
+                writer.close()
+                continue
+            known.busy += 1
+            return known, port, (reader, writer)
+        if known.busy >= CONNECTIONS_PER_SITE_MAX:
+            raise PortRefused(site)
+        known.busy += 1  # before the dial's awaits: concurrent dials count against the bound
+        try:
+            return known, port, await self._dial(site, port)
+        except BaseException:
+            known.busy -= 1
+            raise
+
+    async def _dial(self, site: str, port: int) -> _Connection:
+        """A greeted connection to `site`'s host on `port`; PortRefused (and the port put
+        aside for PORT_RETRY_S) when there is none."""
+        host = site.rsplit(":", 1)[0]
+        name = None if self._tls is None else self._server_name or host
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, ssl=self._tls, server_hostname=name),
+                CONNECT_TIMEOUT_S,
+            )
+        except (OSError, TimeoutError) as error:  # ssl.SSLError is an OSError
+            self._set_aside(site, port, f"cannot connect: {error!r}")
+            raise PortRefused(site) from None
+        try:
+            writer.write(frames.frame(frames.HELLO, frames.BANNER))
+            kind, body = await asyncio.wait_for(
+                _exchange(reader, writer, frames.HELLO_BYTES_MAX), CONNECT_TIMEOUT_S
+            )
+            if kind != frames.HELLO or not body.startswith(frames.BANNER + b" "):
+                raise frames.FrameError(f"greeted with frame kind {kind}")
+        except (
+            OSError,
+            EOFError,
+            TimeoutError,
+            asyncio.IncompleteReadError,
+            frames.FrameError,
+        ) as error:
+            writer.close()
+            self._set_aside(site, port, f"no publish port greeting: {error!r}")
+            raise PortRefused(site) from None
+        return reader, writer
+
+    def _set_aside(self, site: str, port: int, reason: str) -> None:
+        log.info("publish port not used site=%s port=%d reason=%s", site, port, reason)
+        known = self._sites.get(site)
+        if known is not None and known.port == port:
+            known.retry_at = self._clock() + PORT_RETRY_S
+
+    def _give_back(self, known: _Site, port: int, connection: _Connection, healthy: bool) -> None:
+        """A connection back from a request: kept for the next one when it is healthy and
+        the site still has that port, else closed."""
+        known.busy -= 1
+        if healthy and not self._closed and known.port == port:
+            known.idle.append(connection)
+            return
+        connection[1].close()
+
+
+async def _exchange(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    body_bytes_max: int = frames.FRAME_BYTES_MAX,
+) -> tuple[int, bytes]:
+    """Flushes what was written, then reads the next frame's (kind, body)."""
+    await writer.drain()
+    head = await reader.readexactly(frames.HEADER.size)
+    kind, length = frames.parse_header(head, body_bytes_max)
+    body = await reader.readexactly(length) if length else b""
+    return kind, body
+
+
+__all__ = ["AioPublishPorts"]
