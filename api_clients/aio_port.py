@@ -38,10 +38,12 @@ from api_clients.publish_port import (
     CONNECTIONS_PER_SITE_MAX,
     PORT_RETRY_S,
     PortRefused,
-    about_the_frame,
+    answer_of,
+    usable,
 )
-from api_clients.transport import DeadlineExceeded, RpcFailed, SiteUnavailable
+from api_clients.transport import DeadlineExceeded, SiteUnavailable
 from hastream import publish_frames as frames
+from hastream.errors import RaftStoreError
 from proto import hastream_pb2
 
 log = logging.getLogger(__name__)
@@ -88,11 +90,7 @@ class AioPublishPorts:
         """Whether a publish of `payload_bytes` to `site` should try the port."""
         known = self._sites.get(site)
         return (
-            not self._closed
-            and payload_bytes <= frames.PAYLOAD_BYTES_MAX
-            and known is not None
-            and known.port != 0
-            and known.retry_at <= self._clock()
+            not self._closed and known is not None and usable(known, self._clock(), payload_bytes)
         )
 
     async def publish(
@@ -114,20 +112,10 @@ class AioPublishPorts:
                 raise SiteUnavailable(
                     site, "UNAVAILABLE", f"publish port connection lost: {error!r}"
                 ) from None
-            if kind == frames.ANSWER:
-                healthy = True
-                response: hastream_pb2.PublishResponse = hastream_pb2.PublishResponse.FromString(
-                    body
-                )
-                return response
-            if kind == frames.ERROR:
-                typed = frames.parse_error(body)
-                if typed is None:
-                    raise RpcFailed(site, "UNKNOWN", f"publish port error: {body[:200]!r}")
-                # The node closes the connection after an error about the frame itself.
-                healthy = not about_the_frame(typed)
-                raise typed
-            raise RpcFailed(site, "INTERNAL", f"publish port answered frame kind {kind}")
+            outcome, healthy = answer_of(site, kind, body)
+            if isinstance(outcome, RaftStoreError):
+                raise outcome
+            return outcome
         finally:
             # Also when the task was cancelled mid-request: an unhealthy connection is
             # closed, so no late answer is ever read as the next request's.

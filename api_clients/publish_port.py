@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from api_clients.transport import (
     DeadlineExceeded,
@@ -101,15 +101,12 @@ class PublishPorts:
 
     def usable(self, site: str, payload_bytes: int) -> bool:
         """Whether a publish of `payload_bytes` to `site` should try the port."""
-        if payload_bytes > frames.PAYLOAD_BYTES_MAX:
-            return False
         with self._lock:
             known = self._sites.get(site)
             return (
                 not self._closed
                 and known is not None
-                and known.port != 0
-                and known.retry_at <= self._clock()
+                and usable(known, self._clock(), payload_bytes)
             )
 
     def publish(
@@ -141,20 +138,10 @@ class PublishPorts:
                 raise SiteUnavailable(
                     site, "UNAVAILABLE", f"publish port connection lost: {error}"
                 ) from None
-            if kind == frames.ANSWER:
-                healthy = True
-                response: hastream_pb2.PublishResponse = hastream_pb2.PublishResponse.FromString(
-                    body
-                )
-                return response
-            if kind == frames.ERROR:
-                typed = frames.parse_error(body)
-                if typed is None:
-                    raise RpcFailed(site, "UNKNOWN", f"publish port error: {body[:200]!r}")
-                # The node closes the connection after an error about the frame itself.
-                healthy = not about_the_frame(typed)
-                raise typed
-            raise RpcFailed(site, "INTERNAL", f"publish port answered frame kind {kind}")
+            outcome, healthy = answer_of(site, kind, body)
+            if isinstance(outcome, RaftStoreError):
+                raise outcome
+            return outcome
         finally:
             self._give_back(site, connection, healthy)
 
@@ -281,6 +268,19 @@ class PublishPorts:
         frames.shut(connection)
 
 
+class KnownPort(Protocol):
+    """What a pool knows of a site's port."""
+
+    port: int  # 0: none known
+    retry_at: float  # monotonic time before which it is not dialled again
+
+
+def usable(known: KnownPort, now: float, payload_bytes: int) -> bool:
+    """Whether a publish of `payload_bytes` should try the port `known` (a site's port as
+    this module's or aio_port.py's pool keeps it) at `now`."""
+    return payload_bytes <= frames.PAYLOAD_BYTES_MAX and known.port != 0 and known.retry_at <= now
+
+
 def client_context(tls: ClientTls) -> ssl.SSLContext:
     """The session's TLS as an ssl context for the publish port: the same CA (the system's
     roots without one), the same client certificate, the node's name checked."""
@@ -361,8 +361,21 @@ def _closed_by_node(connection: socket.socket) -> bool:
         return True
 
 
-def about_the_frame(error: RaftStoreError) -> bool:
-    return getattr(error, "argument", None) == "publish port frame"
+def answer_of(
+    site: str, kind: int, body: bytes
+) -> tuple[hastream_pb2.PublishResponse | RaftStoreError, bool]:
+    """What the frame answering a PUBLISH says: the response, or the error to raise (the
+    node's typed one, else RpcFailed); and whether the connection may carry the next
+    request."""
+    if kind == frames.ANSWER:
+        return hastream_pb2.PublishResponse.FromString(body), True
+    if kind == frames.ERROR:
+        typed = frames.parse_error(body)
+        if typed is None:
+            return RpcFailed(site, "UNKNOWN", f"publish port error: {body[:200]!r}"), False
+        # The node closes the connection after an error about the frame itself.
+        return typed, getattr(typed, "argument", None) != "publish port frame"
+    return RpcFailed(site, "INTERNAL", f"publish port answered frame kind {kind}"), False
 
 
 def _read_frame(connection: socket.socket, body_bytes_max: int) -> tuple[int, bytes]:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -213,3 +216,68 @@ def wait_damage_repaired(cluster: LocalCluster, alias: str, group: int = 2) -> N
         return bool(status["corruptions_repaired"] >= 1 and status["health"]["state"] == "healthy")
 
     wait_until(repaired, timeout_s=60, message=f"damaged {alias} repaired")
+
+
+@contextmanager
+def cluster_with_logins(root: Path, admin_password: str) -> Iterator[LocalCluster]:
+    """A started three-node cluster under `root` with logins on (`admin` has
+    `admin_password`) and a leader of group 2; stopped on leaving."""
+    cluster = LocalCluster(root)
+    cluster.enable_authentication(admin_password)
+    cluster.start()
+    try:
+        cluster.leader(2)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def kill_then_freeze_the_leader(
+    cluster: LocalCluster, acked: list[int], step: int, group: int = 2
+) -> None:
+    """A fault schedule for publishers that note each acknowledged key in `acked`, each
+    fault once `step` more were acknowledged: kill -9 the leader; restart it (a majority
+    must be left when the next one freezes); SIGSTOP the new leader; SIGCONT it."""
+
+    def more_acked(message: str) -> None:
+        mark = len(acked)
+        wait_until(lambda: len(acked) >= mark + step, timeout_s=60, message=message)
+
+    more_acked("appends flowing")
+    killed = cluster.leader(group)
+    cluster.kill(killed)
+    more_acked("appends resumed")
+    cluster.start_node(killed)
+    frozen = cluster.leader(group)
+    cluster.signal(frozen, signal.SIGSTOP)
+    more_acked("appends around the freeze")
+    cluster.signal(frozen, signal.SIGCONT)
+    more_acked("appends go on")
+
+
+# A publisher run by `publish_through_faults`: appends until the event is set, noting each
+# acknowledged key in the first list and each failure in the second.
+FaultedPublisher = Callable[[threading.Event, list[int], list[BaseException]], None]
+
+
+def publish_through_faults(
+    cluster: LocalCluster, publish: FaultedPublisher, *, step: int
+) -> list[int]:
+    """Runs `publish` on a thread of its own while `kill_then_freeze_the_leader` runs;
+    returns the keys acknowledged once it returned and no node stays frozen. Fails on any
+    failure it noted."""
+    acked: list[int] = []
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    thread = threading.Thread(target=publish, args=(stop, acked, failures), daemon=True)
+    thread.start()
+    try:
+        kill_then_freeze_the_leader(cluster, acked, step=step)
+    finally:
+        stop.set()
+        thread.join(timeout=180)
+        for alias in cluster.alive():
+            cluster.signal(alias, signal.SIGCONT)
+    assert not thread.is_alive()
+    assert not failures, failures[:3]
+    return acked

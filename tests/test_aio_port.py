@@ -1,12 +1,14 @@
-"""The asyncio client's publishes over the publish port (api_clients/aio_port.py): the
-port's rules for peers that are not a working port (plain listening sockets: nothing
-listening, another service, a port that greets and drops or never answers), and real nodes
-answering `api_clients.aio` sessions through a leader kill and a frozen leader."""
+"""The asyncio client's publishes over the publish port (api_clients/aio_port.py): what
+its connections do on a request cut short, an error answer and the bound (plain listening
+sockets answering as a port would, scripted), and real nodes answering `api_clients.aio`
+sessions through a leader kill and a frozen leader. The rules it shares with the threaded
+client's port (a port nobody listens on, another service, a connection lost after the
+request) are tested for both in tests/test_publish_port.py."""
 
 from __future__ import annotations
 
 import asyncio
-import signal
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -17,8 +19,8 @@ import pytest
 
 from api_clients import aio
 from api_clients.aio_port import AioPublishPorts
-from api_clients.publish_port import CONNECTIONS_PER_SITE_MAX, PORT_RETRY_S, PortRefused
-from api_clients.transport import DeadlineExceeded, SiteUnavailable
+from api_clients.publish_port import CONNECTIONS_PER_SITE_MAX, PortRefused
+from api_clients.transport import DeadlineExceeded
 from hastream import publish_frames as frames
 from hastream.errors import InvalidArgument, NotLeader, RaftStoreError
 from proto import hastream_pb2 as pb
@@ -26,8 +28,9 @@ from tests.harness import (
     LocalCluster,
     ManualClock,
     assert_replicas_hold_exactly,
+    cluster_with_logins,
     ipc_stream,
-    wait_until,
+    publish_through_faults,
 )
 
 ADMIN_PASSWORD = "aio-port-admin"
@@ -62,7 +65,11 @@ class _Peer:
             except OSError:
                 return  # closed
             self.accepted += 1
-            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+            threading.Thread(target=self._served, args=(connection,), daemon=True).start()
+
+    def _served(self, connection: socket.socket) -> None:
+        with contextlib.suppress(OSError):  # the client closed it: a test's own doing
+            self._serve(connection)
 
     def close(self) -> None:
         frames.shut(self.server)
@@ -92,62 +99,6 @@ def _answering(kind: int, body: bytes) -> Any:
                 connection.sendall(frames.frame(kind, body))
 
     return serve
-
-
-@pytest.mark.unit
-def test_a_port_nobody_listens_on_is_put_aside_and_tried_again_later() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        dead_port = probe.getsockname()[1]  # closed on leaving: nothing listens there
-    clock = ManualClock()
-    ports = AioPublishPorts(clock)
-    ports.learn(SITE, dead_port)
-    assert ports.usable(SITE, 100)
-    with pytest.raises(PortRefused):
-        asyncio.run(ports.publish(SITE, _request(), "", timeout_s=2))
-    assert not ports.usable(SITE, 100)  # gRPC for PORT_RETRY_S
-    clock.now += PORT_RETRY_S
-    assert ports.usable(SITE, 100)
-    assert not ports.usable(SITE, frames.PAYLOAD_BYTES_MAX + 1)  # too big: always gRPC
-
-
-@pytest.mark.unit
-def test_a_service_that_does_not_greet_like_a_publish_port_is_not_used() -> None:
-    """Some other service behind the number: the client sends only its HELLO."""
-    received: list[bytes] = []
-
-    def other_service(connection: socket.socket) -> None:
-        with connection:
-            received.append(connection.recv(1024))
-            connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
-
-    peer = _Peer(other_service)
-    try:
-        ports = AioPublishPorts(ManualClock())
-        ports.learn(SITE, peer.port)
-        with pytest.raises(PortRefused):
-            asyncio.run(ports.publish(SITE, _request(), "", timeout_s=2))
-    finally:
-        peer.close()
-    assert received == [frames.frame(frames.HELLO, frames.BANNER)]
-    assert not ports.usable(SITE, 100)
-
-
-@pytest.mark.unit
-def test_a_lost_connection_after_the_request_was_sent_is_site_unavailable() -> None:
-    def greet_then_drop(connection: socket.socket) -> None:
-        with connection:
-            _greet(connection)
-            _read_request(connection)
-
-    peer = _Peer(greet_then_drop)
-    try:
-        ports = AioPublishPorts(ManualClock())
-        ports.learn(SITE, peer.port)
-        with pytest.raises(SiteUnavailable, match="connection lost"):
-            asyncio.run(ports.publish(SITE, _request(), "", timeout_s=5))
-    finally:
-        peer.close()
-    assert ports.usable(SITE, 100)  # the port itself is fine: dialled again
 
 
 @pytest.mark.unit
@@ -258,14 +209,8 @@ def test_at_most_connections_per_site_max_requests_use_a_site_at_once() -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    local = LocalCluster(tmp_path_factory.mktemp("aio-port"))
-    local.enable_authentication(ADMIN_PASSWORD)
-    local.start()
-    try:
-        local.leader(2)
+    with cluster_with_logins(tmp_path_factory.mktemp("aio-port"), ADMIN_PASSWORD) as local:
         yield local
-    finally:
-        local.stop()
 
 
 def _answered(cluster: LocalCluster) -> int:
@@ -312,11 +257,10 @@ def test_no_acknowledged_row_is_lost_when_the_leader_is_killed_then_frozen(
     not hedge), and every row it was told is committed is on every replica once, in
     order."""
     cluster.create_table("aio_faults", SCHEMA, key_column="id")
-    acked: list[int] = []
-    failures: list[BaseException] = []
-    stop = threading.Event()
 
-    async def publish() -> None:
+    async def appends(
+        stop: threading.Event, acked: list[int], failures: list[BaseException]
+    ) -> None:
         session = await _session(cluster, timeout_s=1.0, deadline_s=60.0)
         try:
             key = 0
@@ -331,31 +275,10 @@ def test_no_acknowledged_row_is_lost_when_the_leader_is_killed_then_frozen(
         finally:
             await session.close()
 
-    thread = threading.Thread(target=lambda: asyncio.run(publish()), daemon=True)
-    thread.start()
-
-    def more_acked(step: int, message: str) -> None:
-        mark = len(acked)
-        wait_until(lambda: len(acked) >= mark + step, timeout_s=60, message=message)
+    def publish(stop: threading.Event, acked: list[int], failures: list[BaseException]) -> None:
+        asyncio.run(appends(stop, acked, failures))
 
     before = _answered(cluster)
-    try:
-        more_acked(200, "appends flowing")
-        killed = cluster.leader(2)
-        cluster.kill(killed)
-        more_acked(200, "appends resumed")
-        cluster.start_node(killed)
-        frozen = cluster.leader(2)
-        cluster.signal(frozen, signal.SIGSTOP)
-        more_acked(100, "appends around the freeze")
-        cluster.signal(frozen, signal.SIGCONT)
-        more_acked(100, "appends go on")
-    finally:
-        stop.set()
-        thread.join(timeout=120)
-        for alias in cluster.alive():
-            cluster.signal(alias, signal.SIGCONT)
-    assert not thread.is_alive()
-    assert not failures, failures[:3]
+    acked = publish_through_faults(cluster, publish, step=150)
     assert _answered(cluster) > before
     assert_replicas_hold_exactly(cluster, "aio_faults", acked)

@@ -9,8 +9,8 @@ loses no acknowledged row when the leader is killed or frozen under it.
 
 from __future__ import annotations
 
+import asyncio
 import os
-import signal
 import socket
 import threading
 import uuid
@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from api_clients.aio_port import AioPublishPorts
 from api_clients.connection import Session, connect
 from api_clients.login import Login
 from api_clients.publish_port import PORT_RETRY_S, PortRefused, PublishPorts
@@ -41,7 +42,12 @@ from hastream.errors import (
 )
 from proto import hastream_pb2 as pb
 from raftstore import limits
-from tests.harness import ManualClock, assert_replicas_hold_exactly
+from tests.harness import (
+    ManualClock,
+    assert_replicas_hold_exactly,
+    cluster_with_logins,
+    publish_through_faults,
+)
 
 SCHEMA = pa.schema([("id", pa.int64()), ("sym", pa.string())])
 ADMIN_PASSWORD = "admin-password-for-port-tests"
@@ -118,17 +124,35 @@ def _request() -> pb.PublishRequest:
     return pb.PublishRequest(table="t", payload=ipc_stream(rows(0, 1)))
 
 
+# The rules below hold for both clients' ports: the threaded Session's (publish_port.py)
+# and the asyncio session's (aio_port.py, the same calls on an event loop).
+CLIENTS = ["threaded", "asyncio"]
+
+
+def _ports(client: str, clock: ManualClock) -> PublishPorts | AioPublishPorts:
+    return PublishPorts(clock) if client == "threaded" else AioPublishPorts(clock)
+
+
+def _publish(
+    ports: PublishPorts | AioPublishPorts, site: str, timeout_s: float
+) -> pb.PublishResponse:
+    if isinstance(ports, AioPublishPorts):
+        return asyncio.run(ports.publish(site, _request(), "", timeout_s=timeout_s))
+    return ports.publish(site, _request(), "", timeout_s=timeout_s)
+
+
 @pytest.mark.unit
-def test_a_port_nobody_listens_on_is_put_aside_and_tried_again_later() -> None:
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_port_nobody_listens_on_is_put_aside_and_tried_again_later(client: str) -> None:
     with socket.create_server(("127.0.0.1", 0)) as probe:
         dead_port = probe.getsockname()[1]  # closed on leaving: nothing listens there
     clock = ManualClock()
-    ports = PublishPorts(clock)
+    ports = _ports(client, clock)
     site = "127.0.0.1:1"
     ports.learn(site, dead_port)
     assert ports.usable(site, 100)
     with pytest.raises(PortRefused):
-        ports.publish(site, _request(), "", timeout_s=2)
+        _publish(ports, site, timeout_s=2)
     assert not ports.usable(site, 100)  # gRPC for PORT_RETRY_S
     clock.now += PORT_RETRY_S
     assert ports.usable(site, 100)
@@ -136,7 +160,8 @@ def test_a_port_nobody_listens_on_is_put_aside_and_tried_again_later() -> None:
 
 
 @pytest.mark.unit
-def test_a_service_that_does_not_greet_like_a_publish_port_is_not_used() -> None:
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_service_that_does_not_greet_like_a_publish_port_is_not_used(client: str) -> None:
     """Some other service behind the number (a published Docker port that maps elsewhere):
     the client sends only its HELLO, and uses gRPC."""
     received: list[bytes] = []
@@ -150,10 +175,10 @@ def test_a_service_that_does_not_greet_like_a_publish_port_is_not_used() -> None
 
         thread = threading.Thread(target=other_service, daemon=True)
         thread.start()
-        ports = PublishPorts(ManualClock())
+        ports = _ports(client, ManualClock())
         ports.learn("127.0.0.1:1", server.getsockname()[1])
         with pytest.raises(PortRefused):
-            ports.publish("127.0.0.1:1", _request(), "", timeout_s=2)
+            _publish(ports, "127.0.0.1:1", timeout_s=2)
         thread.join(timeout=5)
     assert received == [frames.frame(frames.HELLO, frames.BANNER)]
     assert not ports.usable("127.0.0.1:1", 100)
@@ -164,14 +189,8 @@ def test_a_service_that_does_not_greet_like_a_publish_port_is_not_used() -> None
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    local = LocalCluster(tmp_path_factory.mktemp("publish-port"))
-    local.enable_authentication(ADMIN_PASSWORD)
-    local.start()
-    try:
-        local.leader(2)
+    with cluster_with_logins(tmp_path_factory.mktemp("publish-port"), ADMIN_PASSWORD) as local:
         yield local
-    finally:
-        local.stop()
 
 
 def _sites(cluster: LocalCluster) -> list[str]:
@@ -418,27 +437,6 @@ def test_connections_over_the_bound_are_told_overloaded_and_publishes_go_over_gr
     assert_replicas_hold_exactly(cluster, "crowded", list(range(5)))
 
 
-def _kill_then_freeze_the_leader(cluster: LocalCluster, acked: list[int], step: int) -> None:
-    """The fault schedule of the publishers below, each fault once `step` more rows were
-    acknowledged: kill -9 the leader; restart it (a majority must be left when the next
-    one freezes); SIGSTOP the new leader; SIGCONT it."""
-
-    def more_acked(message: str) -> None:
-        mark = len(acked)
-        wait_until(lambda: len(acked) >= mark + step, timeout_s=60, message=message)
-
-    more_acked("appends flowing")
-    killed = cluster.leader(2)
-    cluster.kill(killed)
-    more_acked("appends resumed")
-    cluster.start_node(killed)
-    frozen = cluster.leader(2)
-    cluster.signal(frozen, signal.SIGSTOP)
-    more_acked("appends around the freeze")
-    cluster.signal(frozen, signal.SIGCONT)
-    more_acked("appends go on")
-
-
 # One round of a publisher under faults: appends from `key` on, notes the keys acknowledged
 # and the failures; returns the next key, or None to stop.
 PublishRound = Callable[[Publisher, int, list[int], list[BaseException]], int | None]
@@ -448,14 +446,10 @@ def _publish_through_faults(
     cluster: LocalCluster, table: str, round_: PublishRound, *, max_in_flight: int | None, step: int
 ) -> list[int]:
     """Runs rounds of `round_` (appending to `table`, noting each acknowledged key and each
-    failure) on a thread of its own while `_kill_then_freeze_the_leader` runs; returns the keys
-    acknowledged once the loop stopped and no node stays frozen."""
+    failure) through harness.publish_through_faults; returns the keys acknowledged."""
     cluster.create_table(table, SCHEMA)
-    acked: list[int] = []
-    stop = threading.Event()
-    failures: list[BaseException] = []
 
-    def publish() -> None:
+    def publish(stop: threading.Event, acked: list[int], failures: list[BaseException]) -> None:
         with _login(cluster, "admin", ADMIN_PASSWORD) as session:
             publisher = Publisher(session, table, max_in_flight=max_in_flight)
             key: int | None = 0
@@ -463,18 +457,7 @@ def _publish_through_faults(
                 key = round_(publisher, key, acked, failures)
             publisher.close()
 
-    thread = threading.Thread(target=publish, daemon=True)
-    thread.start()
-    try:
-        _kill_then_freeze_the_leader(cluster, acked, step=step)
-    finally:
-        stop.set()
-        thread.join(timeout=180)
-        for alias in cluster.alive():
-            cluster.signal(alias, signal.SIGCONT)
-    assert not thread.is_alive()
-    assert not failures, failures[:3]
-    return acked
+    return publish_through_faults(cluster, publish, step=step)
 
 
 @pytest.mark.cluster
@@ -520,7 +503,8 @@ def test_a_session_over_a_port_that_goes_away_falls_back_to_grpc(cluster: LocalC
 
 
 @pytest.mark.unit
-def test_a_lost_connection_after_the_request_was_sent_is_site_unavailable() -> None:
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_lost_connection_after_the_request_was_sent_is_site_unavailable(client: str) -> None:
     """A port that greets and then drops the connection without an answer: the attempt
     fails SiteUnavailable (the session's policy retries it under the same sequence)."""
     with socket.create_server(("127.0.0.1", 0)) as server:
@@ -535,10 +519,10 @@ def test_a_lost_connection_after_the_request_was_sent_is_site_unavailable() -> N
 
         thread = threading.Thread(target=greet_then_drop, daemon=True)
         thread.start()
-        ports = PublishPorts(ManualClock())
+        ports = _ports(client, ManualClock())
         ports.learn("127.0.0.1:1", server.getsockname()[1])
         with pytest.raises(SiteUnavailable, match="connection lost"):
-            ports.publish("127.0.0.1:1", _request(), "", timeout_s=5)
+            _publish(ports, "127.0.0.1:1", timeout_s=5)
         thread.join(timeout=5)
     assert ports.usable("127.0.0.1:1", 100)  # the port itself is fine: dialled again
 
