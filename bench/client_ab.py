@@ -1,7 +1,7 @@
 """A/B of a client-side change: one cluster, the publishing client of two checkouts in turns.
 
     python -m bench.client_ab --a <checkout> --b <checkout> --shape wait:1 [--rounds 8]
-        [--seconds 3]
+        [--seconds 3] [--client threaded|asyncio]
 
 bench.checkouts_ab compares two checkouts' nodes under this checkout's client; this compares
 two checkouts' clients (api_clients) on one local three-node cluster of this checkout's
@@ -11,7 +11,9 @@ drifting load hits both alike. A cell is bench.checkouts_ab's shape: `wait:N` is
 `Publisher.append` of N rows waited for, `async:N` is `append_async` with 64 in flight; one
 row is a row tuple, N rows a pyarrow Table of bench.vs_nats's 11 columns, built inside the
 loop. The child uses only what every checkout has (`Session`, `Publisher`,
-bench.publish_rows), so an older checkout can be either arm.
+bench.publish_rows), so an older checkout can be either arm. With `--client asyncio` the
+child appends with `api_clients.aio.AioSession.append` instead, waited for (`wait:N` only:
+the asyncio client has no pipelining).
 
 Prints each round and the medians of rows/s, the client process's CPU per append (all its
 threads: building the rows, the call, the client's own threads) and, for `wait:N`, the p50
@@ -36,12 +38,14 @@ from bench.checkouts_ab import Shape
 from bench.publish_rows import SCHEMA
 
 # The child: one cell with the checkout's client, its figures as one JSON line.
-_CHILD: Final = """
+_ARGUMENTS: Final = """
 import json, sys, time
-from api_clients import Publisher, Session
 from bench.publish_rows import RowPool, hastream_builder
 sites, table = sys.argv[1].split(","), sys.argv[2]
 wait, rows, seconds = sys.argv[3] == "wait", int(sys.argv[4]), float(sys.argv[5])
+"""
+_THREADED: Final = """
+from api_clients import Publisher, Session
 session = Session(sites)
 publisher = Publisher(session, table) if wait else Publisher(session, table, max_in_flight=64)
 build = hastream_builder(RowPool.make(), rows)
@@ -60,14 +64,42 @@ while time.perf_counter() - started < seconds:
 for future in futures:
     future.result()
 wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+session.close()
+"""
+_ASYNCIO: Final = """
+import asyncio
+from api_clients import aio
+
+async def cell():
+    session = aio.AioSession(sites)
+    build = hastream_builder(RowPool.make(), rows)
+    await session.append(table, build(0))
+    latencies, appends = [], 0
+    cpu_started, started = time.process_time(), time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        data = build(appends)
+        sent = time.perf_counter()
+        await session.append(table, data)
+        latencies.append(time.perf_counter() - sent)
+        appends += 1
+    wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+    await session.close()
+    return latencies, appends, wall_s, cpu_s
+
+latencies, appends, wall_s, cpu_s = asyncio.run(cell())
+"""
+_FIGURES: Final = """
 latencies.sort()
 print(json.dumps({
     "rows_per_s": appends * rows / wall_s,
     "cpu_us_per_append": cpu_s / appends * 1e6,
     "p50_ms": latencies[len(latencies) // 2] * 1e3 if latencies else None,
 }))
-session.close()
 """
+CLIENTS: Final = {
+    "threaded": _ARGUMENTS + _THREADED + _FIGURES,
+    "asyncio": _ARGUMENTS + _ASYNCIO + _FIGURES,
+}
 
 
 @dataclass(frozen=True)
@@ -77,11 +109,18 @@ class Cell:
     p50_ms: float | None
 
 
-def run_cell(checkout: Path, sites: list[str], table: str, shape: Shape, seconds: float) -> Cell:
-    """One cell published by `checkout`'s client in a child process."""
+def run_cell(
+    checkout: Path,
+    sites: list[str],
+    table: str,
+    shape: Shape,
+    seconds: float,
+    client: str = "threaded",
+) -> Cell:
+    """One cell published by `checkout`'s `client` (a key of CLIENTS) in a child process."""
     argv = [",".join(sites), table, "wait" if shape.wait else "async", str(shape.rows)]
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, *argv, str(seconds)],
+        [sys.executable, "-c", CLIENTS[client], *argv, str(seconds)],
         cwd=checkout,
         env={**os.environ, "PYTHONPATH": str(checkout)},
         capture_output=True,
@@ -130,9 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", type=Shape.parse, default=Shape(wait=True, rows=1))
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--client", choices=sorted(CLIENTS), default="threaded")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.seconds <= 0:
         parser.error("--rounds >= 1 and --seconds > 0")
+    if args.client == "asyncio" and not args.shape.wait:
+        parser.error("the asyncio client has no pipelining: --shape wait:N")
     cells: dict[str, list[Cell]] = {"A": [], "B": []}
     with common.bench_cluster(purge_interval_s=60, election_timeout_s=1.5) as cluster:
         sites = [node.site for node in cluster.nodes.values()]
@@ -141,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 table = f"client_ab_{number}_{arm}"
                 cluster.create_table(table, SCHEMA, group=common.HA_GROUP)
                 checkout = args.a if arm == "A" else args.b
-                cell = run_cell(checkout, sites, table, args.shape, args.seconds)
+                cell = run_cell(checkout, sites, table, args.shape, args.seconds, args.client)
                 cells[arm].append(cell)
                 p50 = "" if cell.p50_ms is None else f", p50 {cell.p50_ms:.2f} ms"
                 print(

@@ -13,11 +13,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("shape", ["wait:1", "async:100"])
+@pytest.mark.parametrize(
+    ("client", "shape"), [("threaded", "wait:1"), ("threaded", "async:100"), ("asyncio", "wait:10")]
+)
 def test_both_clients_publish_and_the_ratios_are_printed(
-    capsys: pytest.CaptureFixture[str], shape: str
+    capsys: pytest.CaptureFixture[str], client: str, shape: str
 ) -> None:
-    argv = ["--a", str(REPO), "--b", str(REPO), "--shape", shape]
+    argv = ["--a", str(REPO), "--b", str(REPO), "--shape", shape, "--client", client]
     assert client_ab.main([*argv, "--rounds", "1", "--seconds", "0.3"]) == 0
     out = capsys.readouterr().out
     assert "round 0 A:" in out
@@ -30,6 +32,13 @@ def test_both_clients_publish_and_the_ratios_are_printed(
 def test_a_directory_that_is_not_a_checkout_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         client_ab.main(["--a", str(REPO), "--b", str(tmp_path)])
+
+
+def test_the_asyncio_client_takes_waited_shapes_only() -> None:
+    with pytest.raises(SystemExit):
+        client_ab.main(
+            ["--a", str(REPO), "--b", str(REPO), "--client", "asyncio", "--shape", "async:10"]
+        )
 
 
 def test_the_summary_pairs_each_round_with_its_own() -> None:
