@@ -187,6 +187,9 @@ class AioPublishPorts:
             writer.close()
             self._set_aside(site, port, f"no publish port greeting: {error!r}")
             raise PortRefused(site) from None
+        except BaseException:  # cancelled while greeting: no half-greeted connection left
+            writer.close()
+            raise
         return reader, writer
 
     def _set_aside(self, site: str, port: int, reason: str) -> None:

@@ -168,6 +168,49 @@ def test_a_typed_error_keeps_the_connection_and_an_error_about_the_frame_does_no
 
 
 @pytest.mark.unit
+def test_a_request_cancelled_while_its_connection_is_greeted_leaves_nothing_behind() -> None:
+    """Cancelled during the dial's greeting, more often than the bound: every half-greeted
+    connection is closed (the peer sees it end), and none is counted against the bound."""
+    ended: list[bytes] = []
+    greeting = threading.Event()
+
+    def slow_greeting(connection: socket.socket) -> None:
+        with connection:
+            connection.recv(1024)  # the client's HELLO
+            greeting.set()
+            ended.append(connection.recv(1024))  # b"": the client closed it
+
+    peer = _Peer(slow_greeting)
+
+    async def scenario() -> None:
+        ports = AioPublishPorts(ManualClock())
+        ports.learn(SITE, peer.port)
+        for _ in range(CONNECTIONS_PER_SITE_MAX + 1):
+            greeting.clear()
+            task = asyncio.ensure_future(ports.publish(SITE, _request(), "", timeout_s=10))
+            while not greeting.is_set():
+                assert not task.done(), "the publish ended without dialling"  # the bound?
+                await asyncio.sleep(0.01)
+            closed = len(ended) + 1  # this connection's peer waits for its end
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(1000):  # up to 10 s, the loop running: closed now, not at its end
+                if len(ended) == closed:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(ended) == closed, "a cancelled dial's connection stayed open"
+        await ports.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        peer.close()
+    assert ended == [b""] * (CONNECTIONS_PER_SITE_MAX + 1)
+    assert peer.accepted == CONNECTIONS_PER_SITE_MAX + 1  # never refused by the bound
+
+
+@pytest.mark.unit
 def test_at_most_connections_per_site_max_requests_use_a_site_at_once() -> None:
     """Beyond the bound a request is refused before anything is sent (gRPC takes it)."""
     release = threading.Event()
