@@ -33,6 +33,7 @@ from tests.chaos.faults import MIB
 from tests.chaos.scenario import Scenario
 from tests.chaos.workload import (
     AckedWriter,
+    AioWriter,
     OffsetCommitter,
     PipelinedWriter,
     ReadProbe,
@@ -149,6 +150,7 @@ def setup(scenario: Scenario) -> None:
         PipelinedWriter("w2", cluster, ledger, rng(), table="s2k", writer=2),
         AckedWriter("w3", cluster, ledger, rng(), table="s3u", writer=3),
         PipelinedWriter("w4", cluster, ledger, rng(), table="s3u", writer=4),
+        AioWriter("w5", cluster, ledger, rng(), table="s2k", writer=5, keyed=True),
         OffsetCommitter("commits", cluster, ledger, rng(), table="s3u"),
         TableChurn("churn1", cluster, ledger, rng(), names=CHURN_NAMES, writer=10),
         TableChurn("churn2", cluster, ledger, rng(), names=CHURN_NAMES, writer=11),

@@ -11,6 +11,7 @@ documented to raise keeps it in `unexpected` and stops; the runner reports it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import threading
@@ -22,7 +23,7 @@ from typing import Any, Final
 import grpc
 import pyarrow as pa
 
-from api_clients import AppendResult, Publisher, Session, connect
+from api_clients import AppendResult, Publisher, Session, aio, connect
 from deploy.local_cluster import LocalCluster, read_stream
 from hastream.errors import (
     BatchTooLarge,
@@ -69,9 +70,13 @@ def rows(first_key: int, count: int) -> pa.Table:
     )
 
 
+def sites_of(cluster: LocalCluster) -> list[str]:
+    return [f"127.0.0.1:{node.port}" for node in cluster.nodes.values()]
+
+
 def session_for(cluster: LocalCluster, deadline_s: float = SESSION_DEADLINE_S) -> Session:
     """A client session over every node of `cluster`, as an application would open it."""
-    sites = [f"127.0.0.1:{node.port}" for node in cluster.nodes.values()]
+    sites = sites_of(cluster)
     host, port = sites[0].split(":")
     return connect(host, int(port), highAvailabilitySites=sites[1:], deadline_s=deadline_s)
 
@@ -194,6 +199,52 @@ class AckedWriter(Worker):
 
     def _count(self) -> int:
         return self.rng.randint(1, ROWS_MAX)
+
+
+@dataclass
+class AioWriter(Worker):
+    """Appends 1..ROWS_MAX rows per call with the asyncio client (`api_clients.aio`, over
+    the nodes' publish ports once they are known), each waited for, on an event loop of its
+    own. On a keyed table a failed append is sent again with the same keys (under the
+    session's next sequence: only the table's key dedup can stop a duplicate)."""
+
+    table: str = ""
+    writer: int = 0
+    keyed: bool = False
+    _next: int = 0
+    _retry: tuple[int, int] | None = None  # (first_key, count) to send again
+    _loop: asyncio.AbstractEventLoop | None = None
+    _aio: aio.AioSession | None = None
+
+    def run_once(self) -> None:
+        if self._loop is None or self._aio is None:
+            self._loop = asyncio.new_event_loop()
+            self._aio = aio.AioSession(sites_of(self.cluster), deadline_s=SESSION_DEADLINE_S)
+        first, count = self._retry or (self.writer * WRITER_SPAN + self._next, self._count())
+        if self._retry is None:
+            self._next += count
+        self._retry = None
+        started = time.monotonic()
+        try:
+            self._loop.run_until_complete(self._aio.append(self.table, rows(first, count)))
+        except (RaftStoreError, grpc.RpcError) as error:
+            outcome = self.record_append(self.table, first, count, started, error)
+            if self.keyed and outcome is Outcome.UNKNOWN:
+                self._retry = (first, count)
+            return
+        self.record_append(self.table, first, count, started, None)
+
+    def _count(self) -> int:
+        return self.rng.randint(1, ROWS_MAX)
+
+    def close(self) -> None:
+        if self._loop is None:
+            return
+        try:
+            if self._aio is not None:
+                self._loop.run_until_complete(self._aio.close())
+        finally:
+            self._loop.close()
 
 
 @dataclass
