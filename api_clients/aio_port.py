@@ -27,41 +27,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from api_clients.publish_port import (
     CONNECT_TIMEOUT_S,
     CONNECTIONS_PER_SITE_MAX,
-    PORT_RETRY_S,
+    KnownPort,
+    PortPool,
     PortRefused,
     answer_of,
-    usable,
 )
 from api_clients.transport import DeadlineExceeded, SiteUnavailable
 from hastream import publish_frames as frames
 from hastream.errors import RaftStoreError
 from proto import hastream_pb2
 
-log = logging.getLogger(__name__)
-
 _Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 @dataclass
-class _Site:
-    port: int = 0  # as the node said; 0: none known
-    retry_at: float = 0.0  # monotonic time before which the port is not dialled again
-    idle: list[_Connection] = field(default_factory=list)
+class _Site(KnownPort[_Connection]):
     busy: int = 0  # connections out for a request, dials included
 
 
-class AioPublishPorts:
-    """One AioSession's publish-port connections, on its event loop (not thread-safe, as
-    the session)."""
+class AioPublishPorts(PortPool[_Site]):
+    """One AioSession's publish-port connections, used on its event loop (the pool's
+    bookkeeping is PortPool's; a connection is used by one task at a time)."""
 
     def __init__(
         self,
@@ -70,28 +64,7 @@ class AioPublishPorts:
         tls: ssl.SSLContext | None = None,
         server_name: str | None = None,
     ) -> None:
-        self._clock = clock
-        self._tls = tls
-        self._server_name = server_name
-        self._sites: dict[str, _Site] = {}
-        self._closed = False
-
-    def learn(self, site: str, port: int) -> None:
-        """`site` (host:port of its gRPC) serves publishes on `port` (0: it does not)."""
-        known = self._sites.setdefault(site, _Site())
-        if known.port == port:
-            return
-        known.port, known.retry_at = port, 0.0
-        stale, known.idle = known.idle, []
-        for _, writer in stale:
-            writer.close()
-
-    def usable(self, site: str, payload_bytes: int) -> bool:
-        """Whether a publish of `payload_bytes` to `site` should try the port."""
-        known = self._sites.get(site)
-        return (
-            not self._closed and known is not None and usable(known, self._clock(), payload_bytes)
-        )
+        super().__init__(_Site, _close, clock, tls, server_name)
 
     async def publish(
         self, site: str, request: hastream_pb2.PublishRequest, token: str, timeout_s: float
@@ -123,10 +96,11 @@ class AioPublishPorts:
 
     async def close(self) -> None:
         """Closes every idle connection; one out for a request is closed when it returns."""
-        self._closed = True
-        writers = [writer for known in self._sites.values() for _, writer in known.idle]
-        for known in self._sites.values():
-            known.idle = []
+        with self._lock:
+            self._closed = True
+            writers = [writer for known in self._sites.values() for _, writer in known.idle]
+            for known in self._sites.values():
+                known.idle = []
         for writer in writers:
             writer.close()
         for writer in writers:
@@ -135,26 +109,28 @@ class AioPublishPorts:
 
     async def _take(self, site: str) -> tuple[_Site, int, _Connection]:
         """An idle connection to `site`'s port, or a new one; with the port it goes to."""
-        known = self._sites.get(site)
-        if self._closed or known is None or known.port == 0:
-            raise PortRefused(site)
-        port = known.port
-        while known.idle:
-            reader, writer = known.idle.pop()
-            # The node's FIN (an idle connection it closed, or a restart): a request sent
-            # on it would fail although the node is there.
-            if reader.at_eof() or writer.is_closing():
-                writer.close()
-                continue
-            known.busy += 1
-            return known, port, (reader, writer)
-        if known.busy >= CONNECTIONS_PER_SITE_MAX:
-            raise PortRefused(site)
-        known.busy += 1  # before the dial's awaits: concurrent dials count against the bound
+        with self._lock:
+            known = self._sites.get(site)
+            if self._closed or known is None or known.port == 0:
+                raise PortRefused(site)
+            port = known.port
+            while known.idle:
+                reader, writer = known.idle.pop()
+                # The node's FIN (an idle connection it closed, or a restart): a request
+                # sent on it would fail although the node is there.
+                if reader.at_eof() or writer.is_closing():
+                    writer.close()
+                    continue
+                known.busy += 1
+                return known, port, (reader, writer)
+            if known.busy >= CONNECTIONS_PER_SITE_MAX:
+                raise PortRefused(site)
+            known.busy += 1  # before the dial's awaits: concurrent dials count to the bound
         try:
             return known, port, await self._dial(site, port)
         except BaseException:
-            known.busy -= 1
+            with self._lock:
+                known.busy -= 1
             raise
 
     async def _dial(self, site: str, port: int) -> _Connection:
@@ -192,20 +168,19 @@ class AioPublishPorts:
             raise
         return reader, writer
 
-    def _set_aside(self, site: str, port: int, reason: str) -> None:
-        log.info("publish port not used site=%s port=%d reason=%s", site, port, reason)
-        known = self._sites.get(site)
-        if known is not None and known.port == port:
-            known.retry_at = self._clock() + PORT_RETRY_S
-
     def _give_back(self, known: _Site, port: int, connection: _Connection, healthy: bool) -> None:
         """A connection back from a request: kept for the next one when it is healthy and
         the site still has that port, else closed."""
-        known.busy -= 1
-        if healthy and not self._closed and known.port == port:
-            known.idle.append(connection)
-            return
-        connection[1].close()
+        with self._lock:
+            known.busy -= 1
+            if healthy and not self._closed and known.port == port:
+                known.idle.append(connection)
+                return
+        _close(connection)
+
+
+def _close(connection: _Connection) -> None:
+    connection[1].close()
 
 
 async def _exchange(

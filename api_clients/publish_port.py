@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final, Generic, TypeVar
 
 from api_clients.transport import (
     DeadlineExceeded,
@@ -61,16 +61,82 @@ class PortRefused(Exception):
     """The site's publish port cannot be used now (nothing was sent): use gRPC."""
 
 
+Connection = TypeVar("Connection")
+
+
 @dataclass
-class _Site:
+class KnownPort(Generic[Connection]):
+    """What a pool knows of one site's publish port."""
+
     port: int = 0  # as the node said; 0: none known
     retry_at: float = 0.0  # monotonic time before which the port is not dialled again
-    idle: list[socket.socket] = field(default_factory=list)
+    idle: list[Connection] = field(default_factory=list)
+
+
+SiteT = TypeVar("SiteT", bound=KnownPort[Any])
+
+
+class PortPool(Generic[SiteT]):
+    """What the threaded and the asyncio client's pools of publish-port connections share
+    (this module's PublishPorts, aio_port.py's AioPublishPorts): the port each site named,
+    when a port that failed is dialled again, the idle connections. Thread-safe."""
+
+    def __init__(
+        self,
+        new_site: Callable[[], SiteT],
+        close: Callable[[Any], None],
+        clock: Callable[[], float],
+        tls: ssl.SSLContext | None,
+        server_name: str | None,
+    ) -> None:
+        self._new_site = new_site
+        self._close = close  # of one idle connection
+        self._clock = clock
+        self._tls = tls  # the session's TLS: the port speaks it as the client port does
+        self._server_name = server_name
+        self._lock = threading.Lock()
+        self._sites: dict[str, SiteT] = {}
+        self._closed = False
+
+    def learn(self, site: str, port: int) -> None:
+        """`site` (host:port of its gRPC) serves publishes on `port` (0: it does not)."""
+        with self._lock:
+            known = self._sites.setdefault(site, self._new_site())
+            if known.port == port:
+                return
+            known.port, known.retry_at = port, 0.0
+            stale, known.idle = known.idle, []
+        for connection in stale:
+            self._close(connection)
+
+    def usable(self, site: str, payload_bytes: int) -> bool:
+        """Whether a publish of `payload_bytes` to `site` should try the port."""
+        if payload_bytes > frames.PAYLOAD_BYTES_MAX:
+            return False
+        with self._lock:
+            known = self._sites.get(site)
+            return (
+                not self._closed
+                and known is not None
+                and known.port != 0
+                and known.retry_at <= self._clock()
+            )
+
+    def _set_aside(self, site: str, port: int, reason: str) -> None:
+        log.info("publish port not used site=%s port=%d reason=%s", site, port, reason)
+        with self._lock:
+            known = self._sites.get(site)
+            if known is not None and known.port == port:
+                known.retry_at = self._clock() + PORT_RETRY_S
+
+
+@dataclass
+class _Site(KnownPort[socket.socket]):
     busy: set[socket.socket] = field(default_factory=set)
     left: int = 0  # how often the session left the site (drop)
 
 
-class PublishPorts:
+class PublishPorts(PortPool[_Site]):
     """One Session's publish-port connections. Thread-safe: a connection serves one
     request at a time; publishing threads take idle ones or dial more, up to the bound."""
 
@@ -81,33 +147,7 @@ class PublishPorts:
         tls: ssl.SSLContext | None = None,
         server_name: str | None = None,
     ) -> None:
-        self._clock = clock
-        self._tls = tls  # the session's TLS: the port speaks it as the client port does
-        self._server_name = server_name
-        self._lock = threading.Lock()
-        self._sites: dict[str, _Site] = {}
-        self._closed = False
-
-    def learn(self, site: str, port: int) -> None:
-        """`site` (host:port of its gRPC) serves publishes on `port` (0: it does not)."""
-        with self._lock:
-            known = self._sites.setdefault(site, _Site())
-            if known.port == port:
-                return
-            known.port, known.retry_at = port, 0.0
-            stale, known.idle = known.idle, []
-        for connection in stale:
-            frames.shut(connection)
-
-    def usable(self, site: str, payload_bytes: int) -> bool:
-        """Whether a publish of `payload_bytes` to `site` should try the port."""
-        with self._lock:
-            known = self._sites.get(site)
-            return (
-                not self._closed
-                and known is not None
-                and usable(known, self._clock(), payload_bytes)
-            )
+        super().__init__(_Site, frames.shut, clock, tls, server_name)
 
     def publish(
         self, site: str, request: hastream_pb2.PublishRequest, token: str, timeout_s: float
@@ -248,13 +288,6 @@ class PublishPorts:
             raise PortRefused(site) from None
         return connection
 
-    def _set_aside(self, site: str, port: int, reason: str) -> None:
-        log.info("publish port not used site=%s port=%d reason=%s", site, port, reason)
-        with self._lock:
-            known = self._sites.get(site)
-            if known is not None and known.port == port:
-                known.retry_at = self._clock() + PORT_RETRY_S
-
     def _give_back(self, site: str, connection: socket.socket, healthy: bool) -> None:
         with self._lock:
             known = self._sites.get(site)
@@ -266,19 +299,6 @@ class PublishPorts:
                     known.idle.append(connection)
                     return
         frames.shut(connection)
-
-
-class KnownPort(Protocol):
-    """What a pool knows of a site's port."""
-
-    port: int  # 0: none known
-    retry_at: float  # monotonic time before which it is not dialled again
-
-
-def usable(known: KnownPort, now: float, payload_bytes: int) -> bool:
-    """Whether a publish of `payload_bytes` should try the port `known` (a site's port as
-    this module's or aio_port.py's pool keeps it) at `now`."""
-    return payload_bytes <= frames.PAYLOAD_BYTES_MAX and known.port != 0 and known.retry_at <= now
 
 
 def client_context(tls: ClientTls) -> ssl.SSLContext:
