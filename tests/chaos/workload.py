@@ -180,15 +180,13 @@ class AckedWriter(Worker):
     _publisher: Publisher | None = None
 
     def run_once(self) -> None:
-        if self._publisher is None:
-            self._publisher = Publisher(self.session, self.table)
         first, count = self._retry or (self.writer * WRITER_SPAN + self._next, self._count())
         if self._retry is None:
             self._next += count
         self._retry = None
         started = time.monotonic()
         try:
-            self._publisher.append(rows(first, count))
+            self._append(rows(first, count))
         except (RaftStoreError, grpc.RpcError) as error:
             outcome = self.record_append(self.table, first, count, started, error)
             if self.keyed and outcome is Outcome.UNKNOWN:
@@ -197,45 +195,31 @@ class AckedWriter(Worker):
             return
         self.record_append(self.table, first, count, started, None)
 
+    def _append(self, table: pa.Table) -> None:
+        """One waited append (raises the client's typed errors)."""
+        if self._publisher is None:
+            self._publisher = Publisher(self.session, self.table)
+        self._publisher.append(table)
+
     def _count(self) -> int:
         return self.rng.randint(1, ROWS_MAX)
 
 
 @dataclass
-class AioWriter(Worker):
-    """Appends 1..ROWS_MAX rows per call with the asyncio client (`api_clients.aio`, over
-    the nodes' publish ports once they are known), each waited for, on an event loop of its
-    own. On a keyed table a failed append is sent again with the same keys (under the
-    session's next sequence: only the table's key dedup can stop a duplicate)."""
+class AioWriter(AckedWriter):
+    """AckedWriter's appends through the asyncio client (`api_clients.aio`, over the nodes'
+    publish ports once they are known), on an event loop of its own. The session keeps the
+    table's producer id, so a resend of the same keys goes under its next sequence: as for
+    AckedWriter, only the table's key dedup can stop a duplicate."""
 
-    table: str = ""
-    writer: int = 0
-    keyed: bool = False
-    _next: int = 0
-    _retry: tuple[int, int] | None = None  # (first_key, count) to send again
     _loop: asyncio.AbstractEventLoop | None = None
     _aio: aio.AioSession | None = None
 
-    def run_once(self) -> None:
+    def _append(self, table: pa.Table) -> None:
         if self._loop is None or self._aio is None:
             self._loop = asyncio.new_event_loop()
             self._aio = aio.AioSession(sites_of(self.cluster), deadline_s=SESSION_DEADLINE_S)
-        first, count = self._retry or (self.writer * WRITER_SPAN + self._next, self._count())
-        if self._retry is None:
-            self._next += count
-        self._retry = None
-        started = time.monotonic()
-        try:
-            self._loop.run_until_complete(self._aio.append(self.table, rows(first, count)))
-        except (RaftStoreError, grpc.RpcError) as error:
-            outcome = self.record_append(self.table, first, count, started, error)
-            if self.keyed and outcome is Outcome.UNKNOWN:
-                self._retry = (first, count)
-            return
-        self.record_append(self.table, first, count, started, None)
-
-    def _count(self) -> int:
-        return self.rng.randint(1, ROWS_MAX)
+        self._loop.run_until_complete(self._aio.append(self.table, table))
 
     def close(self) -> None:
         if self._loop is None:
