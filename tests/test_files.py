@@ -67,7 +67,7 @@ def _write_file(files: Files, path: Path, data: bytes, *, fsync: bool = True) ->
 _RELATIVE_PATHS = ("a", "b", "a/b", "a/c", "b/a", "a/b/c")
 _OPEN_FLAGS = tuple(
     access | extra
-    for access in (os.O_RDONLY, os.O_WRONLY | os.O_APPEND, os.O_RDWR | os.O_APPEND)
+    for access in (os.O_RDONLY, os.O_WRONLY | os.O_APPEND, os.O_RDWR | os.O_APPEND, os.O_RDWR)
     for extra in (0, os.O_CREAT, os.O_CREAT | os.O_EXCL, os.O_TRUNC, os.O_CREAT | os.O_TRUNC)
     if not (access == os.O_RDONLY and extra & os.O_TRUNC)  # Unspecified by POSIX.
 )
@@ -110,6 +110,7 @@ class SimFilesLikeRealFiles(RuleBasedStateMachine):
         self.sim_root = Path("/model")
         self.sim.mkdir(self.sim_root)
         self.fds: list[tuple[int, int]] = []  # (real fd, simulated fd) of open files
+        self.in_place: set[int] = set()  # real fds opened for writing without O_APPEND
 
     def teardown(self) -> None:
         for real_fd, _ in self.fds:
@@ -142,6 +143,8 @@ class SimFilesLikeRealFiles(RuleBasedStateMachine):
         assert real[0] == sim[0], (real, sim)
         if real[0] == "ok":
             self.fds.append((real[1], sim[1]))
+            if flags & os.O_ACCMODE == os.O_RDWR and not flags & os.O_APPEND:
+                self.in_place.add(real[1])
         else:
             assert real == sim
 
@@ -149,18 +152,36 @@ class SimFilesLikeRealFiles(RuleBasedStateMachine):
     @rule(index=st.integers(0, 100))
     def close(self, index: int) -> None:
         real_fd, sim_fd = self.fds.pop(index % len(self.fds))
+        self.in_place.discard(real_fd)
         REAL_FILES.close(real_fd)
         self.sim.close(sim_fd)
 
     @precondition(lambda self: self.fds)
     @rule(index=st.integers(0, 100), parts=st.lists(st.binary(max_size=20), max_size=3))
     def writev(self, index: int, parts: list[bytes]) -> None:
+        assume(self.fds[index % len(self.fds)][0] not in self.in_place)  # appends only
         self._both_fd(index, lambda files, fd: files.writev(fd, parts))
 
     @precondition(lambda self: self.fds)
     @rule(index=st.integers(0, 100), data=st.binary(max_size=20))
     def write(self, index: int, data: bytes) -> None:
+        assume(self.fds[index % len(self.fds)][0] not in self.in_place)  # appends only
         self._both_fd(index, lambda files, fd: files.write(fd, data))
+
+    @precondition(lambda self: self.fds)
+    @rule(
+        index=st.integers(0, 100),
+        parts=st.lists(st.binary(max_size=20), max_size=3),
+        position=st.integers(0, 60),
+    )
+    def pwritev(self, index: int, parts: list[bytes], position: int) -> None:
+        # In place, past the end (a gap of zeros), or appended (an O_APPEND fd, as Linux).
+        self._both_fd(index, lambda files, fd: files.pwritev(fd, parts, position))
+
+    @precondition(lambda self: self.fds)
+    @rule(index=st.integers(0, 100), size=st.integers(0, 80))
+    def extend(self, index: int, size: int) -> None:
+        self._both_fd(index, lambda files, fd: files.extend(fd, size))
 
     @precondition(lambda self: self.fds)
     @rule(index=st.integers(0, 100), size=st.integers(0, 50), position=st.integers(0, 50))

@@ -95,21 +95,31 @@ def test_term_and_vote_survive_reopen(tmp_path: Path) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(cut=st.integers(min_value=1, max_value=60))
+@given(cut=st.integers(min_value=1, max_value=60), zeroed=st.booleans())
 def test_torn_tail_is_truncated_to_the_last_whole_entry(
-    tmp_path_factory: pytest.TempPathFactory, cut: int
+    tmp_path_factory: pytest.TempPathFactory, cut: int, zeroed: bool
 ) -> None:
+    """The last record's end lost: the file cut there (a write past the end whose size
+    update was lost, or an older version's append), or, with `zeroed`, its bytes back to
+    the zeros the segment was grown by (a write in place whose pages were lost)."""
     directory = tmp_path_factory.mktemp("journal")
     journal = DurableJournal(directory)
     fill(journal, 9)
     kept = list(journal[:])
     journal.store_meta_if_changed()  # raft.meta: entries up to 9 are fdatasynced
+    records_end = journal._segments[-1].end + len(b"command-10") * 3 + 24
     crash_while_writing(journal, 10)
     path = directory / "raft.journal"
-    size = path.stat().st_size
-    last_record = len(kept[-1][0]) + 24  # header of the last (10th) record + its command
-    os.truncate(path, size - min(cut, last_record - 1))
+    assert path.stat().st_size > records_end  # the grown tail
+    lost = min(cut, len(b"command-10") * 3 + 24 - 1)  # of the 10th record (header + command)
+    if zeroed:
+        with path.open("r+b") as file:
+            file.seek(records_end - lost)
+            file.write(bytes(lost))
+    else:
+        os.truncate(path, records_end - lost)
     assert entries(directory) == kept
+    assert path.stat().st_size == records_end - len(b"command-10") * 3 - 24  # cut at open
 
 
 def test_zero_filled_tail_is_truncated(tmp_path: Path) -> None:
@@ -120,6 +130,51 @@ def test_zero_filled_tail_is_truncated(tmp_path: Path) -> None:
     with (tmp_path / "raft.journal").open("ab") as file:
         file.write(b"\0" * 4096)
     assert entries(tmp_path) == expected
+
+
+def test_the_newest_segment_is_grown_ahead_and_its_zeros_cut_silently_at_open(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Records are written in place over allocated zeros (no new file size for an
+    fdatasync to commit); a full segment is cut to its records before the next one starts;
+    a reopen finds the end among the zeros without taking them for a torn write."""
+    journal = DurableJournal(tmp_path, segment_bytes_max=4000, extend_bytes=1000)
+    fill(journal, 200)  # ~40 bytes a record: several segments
+    expected = list(journal[:])
+    paths = segment_paths(tmp_path)
+    assert len(paths) > 2
+    newest_end = journal._segments[-1].end
+    journal.close()
+    assert paths[-1].stat().st_size > newest_end  # the zeros ahead
+    records = paths[-1].read_bytes()[newest_end:]
+    assert records == bytes(len(records))
+    for full in paths[:-1]:  # cut to their records: only the newest ends in zeros
+        data = full.read_bytes()
+        assert data[-24:] != bytes(24)
+    assert entries(tmp_path) == expected
+    assert paths[-1].stat().st_size == newest_end  # cut at open
+    assert "torn" not in caplog.text
+    journal = DurableJournal(tmp_path, segment_bytes_max=4000, extend_bytes=1000)
+    fill(journal, 5, first_idx=201)  # grown again
+    assert len(journal) == 205
+    journal.close()
+    assert [idx for _, idx, _ in entries(tmp_path)] == list(range(1, 206))
+
+
+def test_bytes_after_the_zeros_of_the_grown_tail_refuse_to_open(tmp_path: Path) -> None:
+    """A record header gone to zeros with data after it cannot be told from the zeros ahead
+    of the records with a flipped byte in them: both are corruption, not a torn tail."""
+    journal = DurableJournal(tmp_path)
+    fill(journal, 5)
+    end = journal._segments[-1].end
+    journal.close()
+    path = tmp_path / "raft.journal"
+    assert path.stat().st_size > end + 100
+    with path.open("r+b") as file:
+        file.seek(end + 100)
+        file.write(b"\x01")
+    with pytest.raises(CorruptionError):
+        DurableJournal(tmp_path)
 
 
 def test_flipped_byte_in_the_middle_refuses_to_open(tmp_path: Path) -> None:
@@ -182,8 +237,8 @@ def test_a_torn_entry_written_after_the_log_was_cut_is_still_a_torn_tail(
     journal.truncate_from(5)  # a new leader's log differs from index 6 on
     journal.sync()
     crash_while_writing(journal, 6)
-    path = tmp_path / "raft.journal"
-    os.truncate(path, path.stat().st_size - 3)
+    records_end = journal._segments[-1].end
+    os.truncate(tmp_path / "raft.journal", records_end - 3)
     assert [idx for _, idx, _ in entries(tmp_path)] == [1, 2, 3, 4, 5]
 
 
@@ -196,9 +251,14 @@ def _sim_journal(
     sim: SimFiles,
     resident: int = limits.RAFT_LOG_RESIDENT_BYTES,
     segment: int = limits.RAFT_JOURNAL_SEGMENT_BYTES,
+    extend: int = limits.RAFT_JOURNAL_EXTEND_BYTES,
 ) -> DurableJournal:
     journal = DurableJournal(
-        SIM_DIR, files=sim, resident_bytes_max=resident, segment_bytes_max=segment
+        SIM_DIR,
+        files=sim,
+        resident_bytes_max=resident,
+        segment_bytes_max=segment,
+        extend_bytes=extend,
     )
     fill(journal, 5)
     journal.store_meta_if_changed()
@@ -320,7 +380,7 @@ def test_an_error_at_any_operation_changes_nothing_and_leaves_a_recoverable_jour
 
 def test_a_partial_write_that_cannot_be_cut_off_refuses_later_writes(caplog: Any) -> None:
     sim = SimFiles(disk_bytes_max=None)
-    journal = _sim_journal(sim)
+    journal = _sim_journal(sim, extend=0)  # grown by each record alone: no zeros ahead
     sim.disk_bytes_max = sim.bytes_used() + 30  # The next entry is written short...
     sim.fail(Fault(errno.EIO, op="ftruncate"))  # ... and cannot be cut back.
     before = list(journal[:])
@@ -338,9 +398,14 @@ def test_a_partial_write_that_cannot_be_cut_off_refuses_later_writes(caplog: Any
     assert "truncated torn journal tail" in caplog.text
 
 
-def test_a_full_disk_fails_the_add_and_the_journal_goes_on_once_there_is_room() -> None:
+@pytest.mark.parametrize("extend", [0, 1000], ids=["no-zeros-ahead", "grown-ahead"])
+def test_a_full_disk_fails_the_add_and_the_journal_goes_on_once_there_is_room(
+    extend: int,
+) -> None:
+    """With zeros ahead, the adds fill them first; the growth that finds no room leaves the
+    next record to grow the file itself, which the full disk refuses."""
     sim = SimFiles()
-    journal = _sim_journal(sim)
+    journal = _sim_journal(sim, extend=extend)
     sim.disk_bytes_max = sim.bytes_used() + 500
     raised = None
     while raised is None:

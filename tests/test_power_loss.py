@@ -69,7 +69,8 @@ class _Expected:
 
 class _Node:
     """One node's storage on the simulated disk, driven by a seeded workload. Expectations
-    change only when a call returns (a PowerLoss unwinds out of the call)."""
+    of what must be there change only when a call returns (a PowerLoss unwinds out of the
+    call); what may be there (`commands_ever`) grows before the write is tried."""
 
     def __init__(self, sim: SimFiles, seed: int) -> None:
         self.sim = sim
@@ -177,9 +178,11 @@ class _Node:
 
     def _add_entry(self) -> None:
         command = _command(self.idx + 1, self.term)
+        # Before the call: a record whose write the power cut may still be whole on disk
+        # (a torn write keeps any prefix of it, all of it too).
+        self.expected.commands_ever.setdefault(self.idx + 1, set()).add(command)
         self.journal.append(command, self.idx + 1, self.term)
         self.idx += 1
-        self.expected.commands_ever.setdefault(self.idx, set()).add(command)
 
     def checkpoint(self) -> None:
         """What the group's serializer does: sync every table, write the checkpoint, then

@@ -209,7 +209,7 @@ class ShellModel(RuleBasedStateMachine):
         """The journal refuses the entry: nothing is committed, the publish fails with a
         typed retryable error and changes nothing."""
         assert self.files is not None
-        self.files.fail(Fault(error, op="writev", path_part="raft.journal", times=1))
+        self.files.fail(Fault(error, op="pwritev", path_part="raft.journal", times=1))
         rows = pa.table({"k": keys, "v": [0] * len(keys)}, schema=SCHEMA)
         failure = raises(self.shell.publish, name, rows)
         self.files.clear_faults()

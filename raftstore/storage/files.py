@@ -17,9 +17,11 @@
 - `OpenFiles` / `FileHandle`: a process-wide bound on open data-file descriptors, so a
   thousand tables do not exhaust the fd limit; and `raise_fd_soft_limit`.
 
-Contract of every writer: files are written only through fds opened with `O_APPEND` (every
-write lands at the end of the file; `ftruncate` moves the end). Nothing here seeks, so the
-simulated file system needs no per-fd position.
+Contract of every writer: files are written through fds opened with `O_APPEND` (every
+write lands at the end of the file; `ftruncate` moves the end), except the Raft journal's
+segments, which `extend` grows ahead of their records and `pwritev` fills in place (an
+fdatasync of bytes written over the file's own zeroed blocks need not commit a new size).
+Nothing here seeks, so the simulated file system needs no per-fd position.
 """
 
 from __future__ import annotations
@@ -80,6 +82,19 @@ class Files(Protocol):
 
     def writev(self, fd: int, buffers: Sequence[Buffer], /) -> int:
         """Append the buffers in order; returns the bytes written, maybe fewer."""
+        ...
+
+    def pwritev(self, fd: int, buffers: Sequence[Buffer], position: int, /) -> int:
+        """`os.pwritev`: the buffers in order at `position` of a file not opened with
+        O_APPEND (where one is, Linux appends); returns the bytes written, maybe fewer."""
+        ...
+
+    def extend(self, fd: int, size: int, /) -> bool:
+        """Grow the file to `size` bytes with zeros whose blocks are allocated
+        (`fallocate`, mode 0); nothing when it is that long already. False, with the file
+        as it was, when it cannot (a full disk, a file system without fallocate): a write
+        there then allocates as it goes. Not an operation of the fault plan: it is
+        advisory, and a full disk meets the write that follows."""
         ...
 
     def fsync(self, fd: int, /) -> None: ...
@@ -213,6 +228,35 @@ def _no_preallocation(fd: int, position: int, length: int, /) -> None:
     """Where fallocate is missing: appends allocate as they go, as before."""
 
 
+def _libc_extend() -> Callable[[int, int], bool] | None:
+    """`Files.extend` through libc's fallocate (glibc's posix_fallocate writes zeros where
+    the file system lacks fallocate), or None where libc lacks it."""
+    function = _libc_function(
+        "fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64
+    )
+    if function is None:
+        return None
+
+    def extend(fd: int, size: int, /) -> bool:
+        current = os.fstat(fd).st_size
+        if size <= current:
+            return True
+        if function(fd, 0, current, size - current) == 0:
+            return True
+        # What a failed call allocated or grew (ENOSPC part-way) is given back: the file
+        # is as it was. Only the journal's tick thread writes or grows its segments.
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, current)
+        return False
+
+    return extend
+
+
+def _no_extension(fd: int, size: int, /) -> bool:
+    """Where fallocate is missing: records are written past the end, as appends."""
+    return False
+
+
 def page_floor(position: int) -> int:
     """The start of the page that holds `position`."""
     return position - position % PAGE_BYTES
@@ -272,6 +316,8 @@ class RealFiles:
     pread = staticmethod(os.pread)
     write = staticmethod(os.write)
     writev = staticmethod(os.writev)
+    pwritev = staticmethod(os.pwritev)
+    extend = staticmethod(_libc_extend() or _no_extension)
     fsync = staticmethod(os.fsync)
     fdatasync = staticmethod(os.fdatasync)
     start_writeback = staticmethod(_libc_sync_file_range() or _no_writeback)
@@ -344,6 +390,19 @@ def write_all(files: Files, fd: int, buffers: Sequence[Buffer]) -> None:
     rest = memoryview(b"".join(buffers))[written:]
     while rest:
         rest = rest[files.write(fd, rest) :]
+
+
+def write_all_at(files: Files, fd: int, position: int, buffers: Sequence[Buffer]) -> None:
+    """Every buffer, in order, at `position` (an fd without O_APPEND): `write_all`'s
+    in-place sibling, finishing a short write the same way."""
+    assert len(buffers) <= IOV_MAX, "the journal writes a record's two parts at once"
+    written = files.pwritev(fd, buffers, position)
+    if written == sum(len(buffer) for buffer in buffers):
+        return
+    rest = memoryview(b"".join(buffers))[written:]
+    while rest:
+        done = files.pwritev(fd, [rest], position + written)
+        rest, written = rest[done:], written + done
 
 
 def ensure_dir(files: Files, path: Path, *, root: Path) -> None:
@@ -629,6 +688,7 @@ _FAULTABLE: Final = frozenset(
         "pread",
         "write",
         "writev",
+        "pwritev",
         "fsync",
         "fdatasync",
         "ftruncate",
@@ -640,6 +700,26 @@ _FAULTABLE: Final = frozenset(
         "fsync_dir",
     )
 )
+
+
+def all_zeros(data: Buffer) -> bool:
+    """Whether every byte is zero (one memcmp: a journal's grown tail is a megabyte)."""
+    data = data if isinstance(data, bytes) else bytes(data)
+    return data == bytes(len(data))
+
+
+def _common_prefix(first: Buffer, second: Buffer) -> int:
+    """How many leading bytes the two have in common (a bisection of slice compares)."""
+    low, high = 0, min(len(first), len(second))
+    if first[:high] == second[:high]:
+        return high
+    while high - low > 1:  # first[:low] == second[:low], first[:high] != second[:high]
+        middle = (low + high) // 2
+        if first[:middle] == second[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def _error(code: int, path: object = None) -> OSError:
@@ -657,9 +737,10 @@ class SimFiles:
     directory's names durable (each name then refers to its file or directory as it will be
     found after a power loss: the file with its own durable bytes). The root `/` always
     exists. `crash()` loses power now: every directory's names go back to its durable ones,
-    every file to its durable bytes (with `torn=True`, a file that was only appended to
-    since its last fsync keeps a random, seeded prefix of the appended bytes), and every
-    open fd is gone (closing one is a no-op, any other use is EBADF).
+    every file to its durable bytes (with `torn=True`, a file that was only appended to,
+    or written over its durable zeros, since its last fsync keeps a random, seeded prefix
+    of those writes), and every open fd is gone (closing one is a no-op, any other use is
+    EBADF).
     """
 
     def __init__(
@@ -788,10 +869,13 @@ class SimFiles:
                 self._revert(node, torn, seen)
                 continue
             durable = node.durable
-            appended_only = len(node.data) > len(durable) and node.data.startswith(durable)
-            if torn and appended_only:
-                kept = self._random.randint(0, len(node.data) - len(durable))
-                durable = bytes(node.data[: len(durable) + kept])
+            if torn and node.data != durable:
+                # Bytes written since the last sync only past the durable ones, or over
+                # their zeros (the journal's extended tail): a random prefix of them stays.
+                common = _common_prefix(node.data, durable)
+                if common < len(node.data) and all_zeros(durable[common:]):
+                    kept = common + self._random.randint(0, len(node.data) - common)
+                    durable = bytes(node.data[:kept]) + durable[kept:]
             node.data = bytearray(durable)
             node.durable = durable
 
@@ -940,14 +1024,57 @@ class SimFiles:
         handle = self._handle(fd)
         if handle.flags & os.O_ACCMODE == os.O_RDONLY:
             raise _error(errno.EBADF)
-        assert handle.flags & os.O_APPEND, "SimFiles writes only through O_APPEND fds"
-        if self.disk_bytes_max is not None and data:
-            room = self.disk_bytes_max - self.bytes_used()
+        assert handle.flags & os.O_APPEND, "SimFiles appends only through O_APPEND fds"
+        return self._write_at(handle, len(handle.node.data), data)
+
+    def pwritev(self, fd: int, buffers: Sequence[Buffer], position: int, /) -> int:
+        handle = self._handle_or_badf(fd)
+        if len(buffers) > IOV_MAX:
+            raise _error(errno.EINVAL)
+        data = b"".join(bytes(buffer) for buffer in buffers)
+        return self._run("pwritev", handle.path, lambda: self._pwrite(fd, data, position))
+
+    def _pwrite(self, fd: int, data: bytes, position: int) -> int:
+        handle = self._handle(fd)
+        if handle.flags & os.O_ACCMODE == os.O_RDONLY:
+            raise _error(errno.EBADF)
+        if position < 0:
+            raise _error(errno.EINVAL)
+        if handle.flags & os.O_APPEND:
+            position = len(handle.node.data)  # Linux: pwrite on an O_APPEND fd appends
+        return self._write_at(handle, position, data)
+
+    def _write_at(self, handle: _SimHandle, position: int, data: bytes) -> int:
+        """`data` at `position` (a gap before it reads as zeros); a full disk writes
+        short, and the next write that needs room raises ENOSPC."""
+        node = handle.node
+        if not data:
+            return 0  # nothing written: no gap filled either
+        if self.disk_bytes_max is not None:
+            room = self.disk_bytes_max - self.bytes_used() + max(0, len(node.data) - position)
             if room <= 0:
                 raise _error(errno.ENOSPC, handle.path)
-            data = data[:room]  # A full disk writes short; the next write raises ENOSPC.
-        handle.node.data += data
+            data = data[:room]
+        if position > len(node.data):
+            node.data += bytes(position - len(node.data))
+        node.data[position : position + len(data)] = data
         return len(data)
+
+    def extend(self, fd: int, size: int, /) -> bool:
+        with self._lock:
+            if not self._powered:
+                raise PowerLoss("extend after the power loss")
+            handle = self._handle(fd)
+            node = handle.node
+            grow = size - len(node.data)
+            if grow <= 0:
+                return True
+            if handle.flags & os.O_ACCMODE == os.O_RDONLY:
+                return False  # fallocate: EBADF
+            if self.disk_bytes_max is not None and self.bytes_used() + grow > self.disk_bytes_max:
+                return False
+            node.data += bytes(grow)
+            return True
 
     def fsync(self, fd: int, /) -> None:
         handle = self._handle_or_badf(fd)

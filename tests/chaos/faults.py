@@ -148,10 +148,12 @@ def record_spans(segment: bytes) -> list[tuple[int, int]]:
 
 def journal_entry_spans(journal: bytes, start: int = JOURNAL_HEADER_BYTES) -> list[tuple[int, int]]:
     """(entry start, entry end) of each whole entry of a journal segment file from `start`
-    (where its live records begin)."""
+    (where its live records begin), up to the zeros the newest segment was grown by."""
     spans: list[tuple[int, int]] = []
     position = start
     while position + JOURNAL_ENTRY_HEADER_BYTES <= len(journal):
+        if not any(journal[position : position + JOURNAL_ENTRY_HEADER_BYTES]):
+            break  # no record has an all-zero header (its index is at least 1)
         (command_length,) = _PAYLOAD_LENGTH.unpack_from(journal, position + 4)
         end = position + JOURNAL_ENTRY_HEADER_BYTES + command_length
         if end > len(journal):
