@@ -1051,7 +1051,8 @@ class SimFiles:
         if not data:
             return 0  # nothing written: no gap filled either
         if self.disk_bytes_max is not None:
-            room = self.disk_bytes_max - self.bytes_used() + max(0, len(node.data) - position)
+            # Bytes written over are no new room; a gap of zeros before `position` is.
+            room = self.disk_bytes_max - self.bytes_used() + len(node.data) - position
             if room <= 0:
                 raise _error(errno.ENOSPC, handle.path)
             data = data[:room]
