@@ -28,8 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from api_clients.publish_port import (
@@ -57,14 +55,11 @@ class AioPublishPorts(PortPool[_Site]):
     """One AioSession's publish-port connections, used on its event loop (the pool's
     bookkeeping is PortPool's; a connection is used by one task at a time)."""
 
-    def __init__(
-        self,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        tls: ssl.SSLContext | None = None,
-        server_name: str | None = None,
-    ) -> None:
-        super().__init__(_Site, _close, clock, tls, server_name)
+    def _new_site(self) -> _Site:
+        return _Site()
+
+    def _close(self, connection: _Connection) -> None:
+        _close(connection)
 
     async def publish(
         self, site: str, request: hastream_pb2.PublishRequest, token: str, timeout_s: float

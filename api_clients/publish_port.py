@@ -83,20 +83,25 @@ class PortPool(Generic[SiteT]):
 
     def __init__(
         self,
-        new_site: Callable[[], SiteT],
-        close: Callable[[Any], None],
-        clock: Callable[[], float],
-        tls: ssl.SSLContext | None,
-        server_name: str | None,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
     ) -> None:
-        self._new_site = new_site
-        self._close = close  # of one idle connection
         self._clock = clock
         self._tls = tls  # the session's TLS: the port speaks it as the client port does
         self._server_name = server_name
         self._lock = threading.Lock()
         self._sites: dict[str, SiteT] = {}
         self._closed = False
+
+    def _new_site(self) -> SiteT:
+        """A pool's record of a site it has not heard of yet."""
+        raise NotImplementedError
+
+    def _close(self, connection: Any) -> None:
+        """Close one idle connection of the pool's kind."""
+        raise NotImplementedError
 
     def learn(self, site: str, port: int) -> None:
         """`site` (host:port of its gRPC) serves publishes on `port` (0: it does not)."""
@@ -140,14 +145,11 @@ class PublishPorts(PortPool[_Site]):
     """One Session's publish-port connections. Thread-safe: a connection serves one
     request at a time; publishing threads take idle ones or dial more, up to the bound."""
 
-    def __init__(
-        self,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        tls: ssl.SSLContext | None = None,
-        server_name: str | None = None,
-    ) -> None:
-        super().__init__(_Site, frames.shut, clock, tls, server_name)
+    def _new_site(self) -> _Site:
+        return _Site()
+
+    def _close(self, connection: socket.socket) -> None:
+        frames.shut(connection)
 
     def publish(
         self, site: str, request: hastream_pb2.PublishRequest, token: str, timeout_s: float
