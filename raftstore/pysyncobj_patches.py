@@ -29,7 +29,8 @@ Process-wide (`install`):
   `Node.__hash__`/`__eq__` read the id without its property.
 Per class, in replication.py's `_SyncObj` (listed in `SYNCOBJ_METHODS` for the guard):
 `__applyLogEntries`, `__doApplyCommand`, `__getEntries`, `__onMessageReceived`,
-`__sendNextNodeIdx`, `__tryLogCompaction`.
+`__sendNextNodeIdx`, `__tryLogCompaction`, `_applyCommand`, `_checkCommandsToApply`, and the
+instance's `PollPoller.poll` (its wait lets go of the tick lock; `POLLER_ATTRIBUTES`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ SYNCOBJ_METHODS: Final = (
     "_SyncObj__getCurrentLogIndex",
     "_SyncObj__getCurrentLogTerm",
     "_SyncObj__connectedToAnyone",
+    "_SyncObj__callErrCallback",
+    "_applyCommand",
+    "_checkCommandsToApply",
 )
 # Instance attributes of SyncObj that replication.py reads or writes (checked by the tests
 # on a live instance: they exist only once SyncObj.__init__ ran).
@@ -119,7 +123,10 @@ SYNCOBJ_ATTRIBUTES: Final = (
     "_SyncObj__selfNode",
     "_SyncObj__transferInProgress",
     "_SyncObj__transport",
+    "_poller",
 )
+# Instance attributes of pysyncobj's PollPoller that replication.py's poll reads.
+POLLER_ATTRIBUTES: Final = ("_PollPoller__poll", "_PollPoller__descrToCallbacks")
 _MODULE_NAMES: Final = (
     (pysyncobj_pickle, "__protocol"),
     (pysyncobj_tcp_connection, "zlib"),
@@ -137,6 +144,7 @@ _MODULE_NAMES: Final = (
     (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__trySendBuffer"),
     (pysyncobj_tcp_connection.TcpConnection, "_TcpConnection__processConnection"),
     (pysyncobj_poller, "POLL_EVENT_TYPE"),
+    (pysyncobj_poller, "PollPoller"),
     (pysyncobj_transport.TCPTransport, "_onNewIncomingConnection"),
     (pysyncobj_transport.TCPTransport, "_onTick"),
     (pysyncobj_tcp_server.TcpServer, "_TcpServer__onNewConnection"),

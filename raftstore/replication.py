@@ -52,6 +52,14 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
    tick's poll waits no longer than that). Reads of a table's end go to the leader
    (`ReadRequest.end_at_leader`), where every acknowledged row is.
 
+8. Proposals on the proposing thread. pysyncobj queues a proposal and wakes the tick thread
+   (a pipe), which adds it to the journal and sends it. On a leader with nothing in flight
+   the proposing thread does both itself when no tick is running: a tick holds
+   `_tick_lock` for all its work and lets go of it only for its poll's wait
+   (`_poll_until_next_send`), so pysyncobj's state is still touched by one thread at a
+   time; a proposal that finds the lock taken, or entries in flight, goes pysyncobj's way.
+   A waited publish saves the wake-up of the tick thread and its GIL hand-over.
+
 The process-wide patches (journal, encryptor, pickle protocol, compression, link timeouts)
 live in pysyncobj_patches.py with a guard on the pysyncobj version; the per-class ones are
 `_SyncObj`'s below.
@@ -68,14 +76,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import pysyncobj.tcp_connection as pysyncobj_tcp_connection
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
+from pysyncobj.fast_queue import Queue as pysyncobj_queue
+from pysyncobj.poller import POLL_EVENT_TYPE, PollPoller
 from pysyncobj.syncobj import SyncObjExceptionWrongVer
 
 from hastream.errors import (
@@ -177,17 +189,35 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._leader_heard_at: float | None = None  # last append_entries of a current term
         self._slow_tick_log = OncePerInterval(10.0)
         self._commit_before_tick = 0  # the commit index before pysyncobj's computation
+        # Held by whichever thread runs pysyncobj's code: the tick thread for a whole tick
+        # but the wait in its poll, or a thread proposing on the leader (_applyCommand).
+        self._tick_lock = threading.Lock()
         super().__init__(*args, **kwargs)
-        # The tick's poll waits up to _IDLE_TICK_S; a leader's heartbeat brought forward
-        # (the commit notice below) must not wait behind it.
-        self._poll_events = self._poller.poll
-        self._poller.poll = self._poll_until_next_send
+        poller = self._poller
+        if not isinstance(poller, PollPoller):
+            raise pysyncobj_patches.UnsupportedPysyncobj(f"poller {type(poller).__name__}")
+        poll_object, callbacks = (getattr(poller, n) for n in pysyncobj_patches.POLLER_ATTRIBUTES)
+        self._poll_object: select.poll = poll_object
+        self._poll_callbacks: dict[int, Callable[[int, int], None]] = callbacks
+        poller.poll = self._poll_until_next_send
 
     def _poll_until_next_send(self, timeout: float) -> None:
+        """PollPoller.poll, except that the wait lets go of the tick lock (so a proposing
+        thread can add and send meanwhile), and a leader's ends when its next heartbeat is
+        due: the tick's poll waits up to _IDLE_TICK_S, and a heartbeat brought forward (the
+        commit notice below) must not wait behind it."""
         if self._SyncObj__raftState == _STATE_LEADER:
             now = pysyncobj_tcp_connection.monotonicTime()
             timeout = min(timeout, max(0.0, self._next_send_at() - now))
-        self._poll_events(timeout)
+        lock = self._tick_lock
+        lock.release()
+        try:
+            events = self._poll_object.poll(timeout * 1000)
+        finally:
+            lock.acquire()
+        callbacks = self._poll_callbacks
+        for descr, event in events:
+            callbacks[descr](descr, _event_mask(event))
         if self._deferred_acks:
             # A follower's acknowledgements of what this poll read leave now, after one
             # fdatasync for all of them, not after the rest of the tick (its hooks, then the
@@ -246,6 +276,51 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         with contextlib.suppress(OSError):
             self._sync_and_acknowledge()
 
+    def _applyCommand(self, command: bytes, callback: Any, commandType: int | None = None) -> None:
+        # pysyncobj queues the command and wakes the tick thread, which adds and sends it.
+        # On the leader the proposing thread does that itself when no tick is running
+        # (the tick thread waits in its poll): it saves a wake-up of the tick thread and
+        # a GIL hand-over per proposal. Measured in docs/benchmark.md (seventeenth session).
+        if commandType is not None or self._SyncObj__raftState != _STATE_LEADER:
+            super()._applyCommand(command, callback, commandType)
+            return
+        try:
+            self._SyncObj__commandsQueue.put_nowait((command, callback))
+        except pysyncobj_queue.Full:
+            self._SyncObj__callErrCallback(FAIL_REASON.QUEUE_FULL, callback)
+            return
+        # Never a blocking acquire: a proposer may hold the leadership transfer's lock
+        # (transfer.admit), which the tick thread takes while it holds this one.
+        if not self._tick_lock.acquire(blocking=False):
+            # A tick is running: it takes the queue before its poll, or this wakes it.
+            self._SyncObj__pipeNotifier.notify()
+            return
+        if self._SyncObj__raftCommitIndex < self._SyncObj__getCurrentLogIndex():
+            # Entries in flight (a pipelined load): the tick thread, woken by their
+            # acknowledgements, would wait here for the lock; it adds this one on its way.
+            self._tick_lock.release()
+            self._SyncObj__pipeNotifier.notify()
+            return
+        try:
+            with self._journal_failures():
+                self._checkCommandsToApply()
+            if self.encryptor is not None:
+                self.encryptor.forget_pieces()
+            if self._links_unsent():
+                # The tick's poll waits on the links' old events; one whose bytes the socket
+                # did not all take needs it to wait for writability too.
+                self._SyncObj__pipeNotifier.notify()
+        except Exception:
+            # As the tick thread's loop does with its own (pysyncobj's _autoTickThread):
+            # the entry, if added, is the tick's to commit and answer; the proposer waits.
+            log.exception("failed _onTick: proposing on thread %s", threading.current_thread().name)
+        finally:
+            self._tick_lock.release()
+
+    def _links_unsent(self) -> bool:
+        connections = self._SyncObj__transport._connections
+        return any(connection.getSendBufferSize() for connection in connections.values())
+
     def _checkCommandsToApply(self) -> None:
         # The leader adds each new entry and sends it at once (appendEntriesUseBatch=False):
         # its fdatasync starts right after the add, before the sends.
@@ -259,9 +334,13 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._sync_and_acknowledge()
 
     def _onTick(self, timeToWait: float = 0.0) -> None:
+        with self._tick_lock:
+            self._tick(timeToWait)
+
+    def _tick(self, timeToWait: float) -> None:
         # Before the leader's commit computation counts this node: entries on disk. On a
         # follower, what the last poll left unsynced (normally synced right after it).
-        try:
+        with self._journal_failures():
             self._sync_and_acknowledge()
             if self._replica.in_doubt():
                 self._stay_out_of_leadership()
@@ -272,6 +351,22 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             self._commit_before_tick = self._SyncObj__raftCommitIndex
             super()._onTick(timeToWait)
             self._note_slow_tick(time.monotonic() - started - timeToWait)
+        now = pysyncobj_tcp_connection.monotonicTime()
+        wanted = self._hooks.checkpoint_wanted() and now >= self._checkpoint_forced_until
+        if self._journal.bytes_total > limits.RAFT_LOG_BYTES_MAX or wanted:
+            self._checkpoint_forced_until = now + _CHECKPOINT_FORCE_S
+            self.forceLogCompaction()
+        self._hooks.on_tick()
+        self._replica.check_rejoined()
+        self._replica.observe_leader()
+        self._replica.drive_transfer()
+        if self.encryptor is not None:
+            self.encryptor.forget_pieces()  # this tick's frames are queued on their links
+
+    @contextlib.contextmanager
+    def _journal_failures(self) -> Iterator[None]:
+        try:
+            yield
         except OSError as error:
             # The journal could not write (disk full, I/O error): it kept its state as it
             # was (storage/journal.py). This member is in doubt until a write works again;
@@ -284,17 +379,6 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             log.critical("raft journal failed; stopping the node", exc_info=True)
             logging.shutdown()
             os._exit(70)
-        now = pysyncobj_tcp_connection.monotonicTime()
-        wanted = self._hooks.checkpoint_wanted() and now >= self._checkpoint_forced_until
-        if self._journal.bytes_total > limits.RAFT_LOG_BYTES_MAX or wanted:
-            self._checkpoint_forced_until = now + _CHECKPOINT_FORCE_S
-            self.forceLogCompaction()
-        self._hooks.on_tick()
-        self._replica.check_rejoined()
-        self._replica.observe_leader()
-        self._replica.drive_transfer()
-        if self.encryptor is not None:
-            self.encryptor.forget_pieces()  # this tick's frames are queued on their links
 
     def _note_slow_tick(self, held_s: float) -> None:
         """A tick that held the thread for half an election timeout is logged: heartbeats
@@ -499,6 +583,18 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                 if self._next_send_at() > due:
                     self._SyncObj__newAppendEntriesTime = due
         return False
+
+
+def _event_mask(event: int) -> int:
+    """pysyncobj's event flags of one poll() result (PollPoller.poll's translation)."""
+    mask = 0
+    if event & select.POLLIN:
+        mask |= POLL_EVENT_TYPE.READ
+    if event & select.POLLOUT:
+        mask |= POLL_EVENT_TYPE.WRITE
+    if event & (select.POLLERR | select.POLLHUP):
+        mask |= POLL_EVENT_TYPE.ERROR
+    return mask
 
 
 def commit_reach(durable_index: int, match_indexes: Sequence[int]) -> int:

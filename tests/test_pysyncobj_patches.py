@@ -53,6 +53,8 @@ def test_every_private_attribute_the_adapter_touches_exists_on_a_live_syncobj(
     try:
         for name in pysyncobj_patches.SYNCOBJ_ATTRIBUTES:
             assert hasattr(member, name), name
+        for name in pysyncobj_patches.POLLER_ATTRIBUTES:
+            assert hasattr(member._poller, name), name
     finally:
         member.destroy()
 
