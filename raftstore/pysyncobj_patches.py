@@ -98,6 +98,7 @@ SYNCOBJ_METHODS: Final = (
     "_SyncObj__callErrCallback",
     "_applyCommand",
     "_checkCommandsToApply",
+    "_doDestroy",
 )
 # Instance attributes of SyncObj that replication.py reads or writes (checked by the tests
 # on a live instance: they exist only once SyncObj.__init__ ran).
@@ -105,6 +106,7 @@ SYNCOBJ_ATTRIBUTES: Final = (
     "_SyncObj__commandsQueue",
     "_SyncObj__commandsWaitingCommit",
     "_SyncObj__conf",
+    "_SyncObj__destroying",
     "_SyncObj__connectedNodes",
     "_SyncObj__lastSerializedEntry",
     "_SyncObj__leaderCommitIndex",

@@ -295,13 +295,14 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             # A tick is running: it takes the queue before its poll, or this wakes it.
             self._SyncObj__pipeNotifier.notify()
             return
-        if self._SyncObj__raftCommitIndex < self._SyncObj__getCurrentLogIndex():
-            # Entries in flight (a pipelined load): the tick thread, woken by their
-            # acknowledgements, would wait here for the lock; it adds this one on its way.
-            self._tick_lock.release()
-            self._SyncObj__pipeNotifier.notify()
-            return
         try:
+            if self._SyncObj__destroying:
+                return  # closing: as pysyncobj, the proposal stays queued, never answered
+            if self._SyncObj__raftCommitIndex < self._SyncObj__getCurrentLogIndex():
+                # Entries in flight (a pipelined load): the tick thread, woken by their
+                # acknowledgements, would wait here for the lock; it adds this one on its way.
+                self._SyncObj__pipeNotifier.notify()
+                return
             with self._journal_failures():
                 self._checkCommandsToApply()
             if self.encryptor is not None:
@@ -316,6 +317,12 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             log.exception("failed _onTick: proposing on thread %s", threading.current_thread().name)
         finally:
             self._tick_lock.release()
+
+    def _doDestroy(self) -> None:
+        # The tick thread closes the links and the journal between two ticks: not while a
+        # proposing thread sends on them.
+        with self._tick_lock:
+            super()._doDestroy()
 
     def _links_unsent(self) -> bool:
         connections = self._SyncObj__transport._connections
