@@ -820,7 +820,7 @@ class RaftReplica:
         if self.rejoining:
             log.warning("raft group %d rejoins: no vote until caught up", settings.group_id)
         self._applied_at_start: int | None = None
-        # Observability (read by the metrics exporter; written on the tick thread).
+        # Observability (read by the metrics exporter; written under the tick lock).
         self.fsync_latency = LatencyHistogram(FSYNC_BUCKETS_S)
         self.checkpoint_latency = LatencyHistogram(CHECKPOINT_BUCKETS_S)
         self.checkpoint_bytes_last = 0

@@ -194,8 +194,9 @@ def _call_wake(ahead: _SyncAhead) -> None:
 
 
 class DurableJournal:
-    """The Raft log of one group on one node. Runs on pysyncobj's tick thread only (but
-    for the fdatasync `sync_ahead` hands to its own helper thread).
+    """The Raft log of one group on one node. Used by one thread at a time: pysyncobj's tick
+    thread, or a leader's proposing thread holding the member's tick lock (replication.py);
+    but for the fdatasync `sync_ahead` hands to its own helper thread.
 
     Environment errors (a full disk, EIO) fail cleanly: a write method that raises OSError
     leaves the files and the entries in memory as they were before the call (a partial
