@@ -127,6 +127,8 @@ SYNCOBJ_ATTRIBUTES: Final = (
     "_SyncObj__transport",
     "_poller",
 )
+# The deque inside pysyncobj's FastQueue (its commands queue), which replication.py reads.
+QUEUE_ATTRIBUTE: Final = "_FastQueue__queue"
 # Instance attributes of pysyncobj's PollPoller that replication.py's poll reads.
 POLLER_ATTRIBUTES: Final = ("_PollPoller__poll", "_PollPoller__descrToCallbacks")
 _MODULE_NAMES: Final = (

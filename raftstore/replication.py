@@ -307,9 +307,10 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                 self._checkCommandsToApply()
             if self.encryptor is not None:
                 self.encryptor.forget_pieces()
-            if self._links_unsent():
+            if self._links_unsent() or self._commands_queued():
                 # The tick's poll waits on the links' old events; one whose bytes the socket
-                # did not all take needs it to wait for writability too.
+                # did not all take needs it to wait for writability too. And pysyncobj's
+                # loop stops after appendEntriesPeriod: what it left is the tick's.
                 self._SyncObj__pipeNotifier.notify()
         except Exception:
             # As the tick thread's loop does with its own (pysyncobj's _autoTickThread):
@@ -323,6 +324,9 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         # proposing thread sends on them.
         with self._tick_lock:
             super()._doDestroy()
+
+    def _commands_queued(self) -> bool:
+        return bool(getattr(self._SyncObj__commandsQueue, pysyncobj_patches.QUEUE_ATTRIBUTE))
 
     def _links_unsent(self) -> bool:
         connections = self._SyncObj__transport._connections

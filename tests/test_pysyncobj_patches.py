@@ -55,6 +55,8 @@ def test_every_private_attribute_the_adapter_touches_exists_on_a_live_syncobj(
             assert hasattr(member, name), name
         for name in pysyncobj_patches.POLLER_ATTRIBUTES:
             assert hasattr(member._poller, name), name
+        queue = member._SyncObj__commandsQueue
+        assert hasattr(queue, pysyncobj_patches.QUEUE_ATTRIBUTE)
     finally:
         member.destroy()
 
