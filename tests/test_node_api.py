@@ -459,7 +459,7 @@ def test_idle_unauthenticated_raft_links_are_bounded_and_closed(cluster: LocalCl
     create(cluster, "links")
     config = cluster.config_path.read_text()
     raft_port = int(config.split("node1.raftPorts=")[1].split(",")[0].split(":")[1])
-    links = [socket.create_connection(("127.0.0.1", raft_port), timeout=5) for _ in range(300)]
+    links = [socket.create_connection(("127.0.0.1", raft_port), timeout=5) for _ in range(100)]
     try:
         for link in links:
             link.setblocking(False)
