@@ -255,7 +255,7 @@ def code_version() -> str:
 def ha_term(cluster: LocalCluster) -> int:
     """The HA group's highest term among the live nodes: its change over a cell counts the
     elections during it."""
-    return max(int(cluster.group_status(alias, HA_GROUP)["term"]) for alias in cluster.alive())
+    return cluster.highest_term(HA_GROUP)
 
 
 def node_pids(cluster: LocalCluster) -> dict[str, int]:

@@ -419,6 +419,11 @@ class LocalCluster:
                 return dict(entry)
         raise AssertionError(f"{alias} has no group {group}")
 
+    def highest_term(self, group: int = 2) -> int:
+        """The highest Raft term of `group` among the live nodes: its change over a stretch
+        of time counts the elections in it."""
+        return max(int(self.group_status(alias, group)["term"]) for alias in self.alive())
+
     def leader(self, group: int = 2, timeout_s: float = 30) -> str:
         """The alias every live node agrees leads `group`, once it can take writes."""
 

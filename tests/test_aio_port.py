@@ -260,10 +260,6 @@ def _answered(cluster: LocalCluster) -> int:
     return sum(cluster.status(alias)["publish_port"]["answered"] for alias in cluster.alive())
 
 
-def _term(cluster: LocalCluster) -> int:
-    return max(int(cluster.group_status(alias, 2)["term"]) for alias in cluster.alive())
-
-
 async def _session(cluster: LocalCluster, **options: Any) -> aio.AioSession:
     sites = [node.site for node in cluster.nodes.values()]
     session = aio.AioSession(sites, userid="admin", password=ADMIN_PASSWORD, **options)
@@ -277,7 +273,7 @@ def test_waited_appends_go_over_the_port_after_the_first_and_land_once_everywher
 ) -> None:
     cluster.create_table("aio_port", SCHEMA, key_column="id")
     before = _answered(cluster)
-    term = _term(cluster)
+    term = cluster.highest_term()
 
     async def scenario() -> None:
         session = await _session(cluster)
@@ -293,7 +289,7 @@ def test_waited_appends_go_over_the_port_after_the_first_and_land_once_everywher
     asyncio.run(scenario())
     # A new leader (an election on a starved machine) is learned through one more gRPC
     # Publish, whose answer names its port: each costs the port one answer.
-    elections = _term(cluster) - term
+    elections = cluster.highest_term() - term
     assert 100 - elections <= _answered(cluster) - before <= 100
     assert_replicas_hold_exactly(cluster, "aio_port", list(range(105)))
 
