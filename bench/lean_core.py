@@ -60,7 +60,7 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -521,6 +521,8 @@ class LeanSide:
     build: dict[int, Callable[[int], object]]
     window: int
     name: str
+    # shape -> one (leader, follower, follower, client) CPU us per publish for each cell
+    process_us: dict[str, list[tuple[float, ...]]] = field(default_factory=dict)
 
     def run(self, shape: Shape, seconds: float, rep: int, order: int) -> CellResult:
         if shape.publishers != 1:
@@ -530,6 +532,7 @@ class LeanSide:
         stats, number = PublisherStats(), 1 << 40 | rep << 32 | order << 24
         try:
             publisher.append(build(number))  # warm-up
+            nodes_before = [common.cpu_seconds(pid) for pid in self.cluster.pids()]
             with cpu_meter(self.cluster.pids()) as cpu:
                 started = clock()
                 deadline = started + seconds
@@ -547,9 +550,15 @@ class LeanSide:
                         break
                 stats.errors = publisher.flush()
                 stats.finished_at = clock()
+            nodes = [common.cpu_seconds(pid) for pid in self.cluster.pids()]
         finally:
             publisher.close()
         stats.rows = (stats.messages - stats.errors) * shape.rows
+        spent = [after - before for after, before in zip(nodes, nodes_before, strict=True)]
+        per_publish = 1e6 / max(1, stats.messages)
+        self.process_us.setdefault(shape.key, []).append(
+            tuple(value * per_publish for value in [*spent, cpu[1]])
+        )
         return cell_result(self.name, shape, rep, order, [stats], started, (cpu[0], cpu[1]))
 
 
@@ -584,6 +593,25 @@ def summarize(
             )
         )
     return summaries
+
+
+def process_lines(summaries: list[Summary], lean: dict[str, LeanSide]) -> list[str]:
+    """The lean systems' CPU per publish by process: where a core of this shape spends."""
+    lines = [
+        "",
+        "CPU per publish by process, us (medians over the reps; the client is this process):",
+        "",
+        "| shape | system | leader | follower 1 | follower 2 | client |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for summary in summaries:
+        for name, side in lean.items():
+            cells = side.process_us.get(summary.shape, [])
+            if cells:
+                medians = [common.median([cell[k] for cell in cells]) for k in range(4)]
+                values = " | ".join(f"{value:,.0f}" for value in medians)
+                lines.append(f"| {summary.label} | {name} | {values} |")
+    return lines
 
 
 def markdown(summaries: list[Summary], systems: Sequence[str], meta: dict[str, Any]) -> str:
@@ -678,7 +706,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     meta["steal"] = round(common.CpuTimes.now().steal_share_since(cpu_times), 3)
     summaries = summarize(results, shapes, systems)
-    text = markdown(summaries, systems, meta)
+    lean = {name: side for name, side in sides.items() if isinstance(side, LeanSide)}
+    text = markdown(summaries, systems, meta) + "\n".join(process_lines(summaries, lean)) + "\n"
     args.markdown.write_text(text)
     args.json.write_text(
         json.dumps(
