@@ -78,16 +78,17 @@ from bench.vs_nats import (
     NatsSide,
     PublisherStats,
     Shape,
+    Side,
     cell_result,
-    progress_line,
+    run_reps,
 )
 from deploy.local_cluster import free_ports
 from hastream.errors import RaftStoreError
 from raftstore import commands
 from raftstore.apply import REPAIR_DIR, Applier, ApplierSettings
 from raftstore.catch_up import Repairer
-from raftstore.replica import STALLED
 from raftstore.retention import Retention
+from raftstore.state_machine import AppendResult, CommandResult
 from raftstore.storage.segments import DataRecord
 from raftstore.threads import Threads
 
@@ -123,8 +124,8 @@ class Sealer:
         sealed = self._aead.encrypt(nonce, body, None)
         return _LENGTH.pack(_NONCE_BYTES + len(sealed)) + nonce + sealed
 
-    def open(self, frame: memoryview) -> bytes:
-        return self._aead.decrypt(bytes(frame[:_NONCE_BYTES]), bytes(frame[_NONCE_BYTES:]), None)
+    def open(self, frame: bytes) -> bytes:
+        return self._aead.decrypt(frame[:_NONCE_BYTES], frame[_NONCE_BYTES:], None)
 
 
 class FrameReader:
@@ -133,21 +134,17 @@ class FrameReader:
     def __init__(self) -> None:
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> list[memoryview]:
+    def feed(self, data: bytes) -> list[bytes]:
         self._buffer += data
-        frames, start, view = [], 0, memoryview(self._buffer)
-        while len(view) - start >= 4:
-            (length,) = _LENGTH.unpack_from(view, start)
-            if len(view) - start - 4 < length:
+        frames, start = [], 0
+        while len(self._buffer) - start >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._buffer, start)
+            end = start + _LENGTH.size + length
+            if end > len(self._buffer):
                 break
-            frames.append(view[start + 4 : start + 4 + length])
-            start += 4 + length
-        if start:
-            frames = [memoryview(bytes(frame)) for frame in frames]
-            view.release()
-            del self._buffer[:start]
-        else:
-            view.release()
+            frames.append(bytes(self._buffer[start + _LENGTH.size : end]))
+            start = end
+        del self._buffer[:start]
         return frames
 
 
@@ -249,9 +246,11 @@ class ProductApply:
     def apply(self, entries: Sequence[tuple[int, bytes]]) -> None:
         for index, command in entries:
             result = self._applier.apply(index, memoryview(command))
-            items = getattr(result, "items", ())
-            failed = getattr(result, "error", None) or any(item.error for item in items)
-            if result is STALLED or failed:
+            if isinstance(result, AppendResult):
+                failed = any(item.error for item in result.items)
+            else:  # the table's creation, or STALLED
+                failed = not isinstance(result, CommandResult) or result.error is not None
+            if failed:
                 raise RuntimeError(f"entry {index} not applied: {result}")
 
 
@@ -326,9 +325,7 @@ class _Waiting:
 def run_leader(directory: Path, port: int, followers: Sequence[int], apply: Apply) -> None:
     journal = Journal(directory / "journal")
     peers = [_connect(follower) for follower in followers]
-    server = _listener(port)  # listens once the followers are reached: the parent's signal
     selector = selectors.DefaultSelector()
-    selector.register(server, selectors.EVENT_READ, None)
     readers: dict[socket.socket, FrameReader] = {peer: FrameReader() for peer in peers}
     for peer in peers:
         selector.register(peer, selectors.EVENT_READ, "peer")
@@ -364,11 +361,25 @@ def run_leader(directory: Path, port: int, followers: Sequence[int], apply: Appl
             journal.sync()  # beside the followers' own writes and fdatasyncs
             durable = entries[-1][0]
 
+    def take_acknowledgements(peer: socket.socket) -> None:
+        chunk = peer.recv(_READ_BYTES)
+        if not chunk:
+            raise SystemExit(0)  # a follower is gone: the run is over
+        for body in readers[peer].feed(chunk):
+            matched[peer] = max(matched[peer], _U64.unpack(sealer.open(body))[0])
+
     for command in apply.first_entries():
         last += 1
         payloads[last] = command
         journal.add([(last, command)])
         replicate([(last, command)])
+    while commit < last:  # the table exists before a client can publish to it
+        for key, _ in selector.select():
+            assert isinstance(key.fileobj, socket.socket)
+            take_acknowledgements(key.fileobj)
+        answer_committed()
+    server = _listener(port)  # listens once its own entries are committed: the parent's signal
+    selector.register(server, selectors.EVENT_READ, None)
     while True:
         timeout = None if notice_at == math.inf else max(0.0, notice_at - time.monotonic())
         events = selector.select(timeout)
@@ -381,19 +392,16 @@ def run_leader(directory: Path, port: int, followers: Sequence[int], apply: Appl
                 selector.register(_tuned(client), selectors.EVENT_READ, "client")
                 readers[client] = FrameReader()
                 continue
+            if key.data == "peer":
+                take_acknowledgements(conn)
+                continue
             chunk = conn.recv(_READ_BYTES)
             if not chunk:
-                if key.data == "peer":
-                    return
                 selector.unregister(conn)
                 conn.close()
                 continue
             for body in readers[conn].feed(chunk):
-                if key.data == "peer":
-                    index = _U64.unpack(sealer.open(body))[0]
-                    matched[conn] = max(matched[conn], index)
-                    continue
-                request, entry = bytes(body[:8]), apply.command(bytes(body[8:]))
+                request, entry = body[:8], apply.command(body[8:])
                 if entry is None:
                     conn.sendall(frame(request + _U64.pack(0)))
                     continue
@@ -680,10 +688,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     builders = {shape.rows: hastream_builder(pool, shape.rows) for shape in SHAPES}
     from bench.nats_cluster import nats_cluster  # needs bench/requirements.txt
 
-    results: list[CellResult] = []
     with contextlib.ExitStack() as stack:
         nats_nodes = stack.enter_context(nats_cluster())
-        sides: dict[str, Any] = {
+        sides: dict[str, Side] = {
             "nats": NatsSide.make(nats_nodes, pool, args.window),
         }
         for name, apply in LEAN_SYSTEMS.items():
@@ -693,16 +700,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ha = stack.enter_context(
                 common.bench_cluster(purge_interval_s=60.0, election_timeout_s=1.5)
             )
-            sides["hastream"] = HastreamSide.make(ha, pool, args.window)
-            stack.callback(sides["hastream"].close)
-        rng = random.Random(seed)
-        for rep in range(args.reps):
-            cells = [(system, shape) for shape in shapes for system in systems]
-            rng.shuffle(cells)
-            for order, (system, shape) in enumerate(cells):
-                result = sides[system].run(shape, args.seconds, rep, order)
-                print(progress_line(result), flush=True)
-                results.append(result)
+            hastream = HastreamSide.make(ha, pool, args.window)
+            stack.callback(hastream.close)
+            sides["hastream"] = hastream
+        results = run_reps(sides, shapes, args.reps, args.seconds, seed, systems)
     meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     meta["steal"] = round(common.CpuTimes.now().steal_share_since(cpu_times), 3)
     summaries = summarize(results, shapes, systems)

@@ -56,11 +56,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from api_clients import AppendResult, Publisher, RaftStoreError, Session
 from bench import common
@@ -547,10 +547,12 @@ class NatsSide:
 # --- the run --------------------------------------------------------------------------------
 
 
-def cell_order(shapes: Sequence[Shape], rng: random.Random) -> list[tuple[str, Shape]]:
+def cell_order(
+    shapes: Sequence[Shape], rng: random.Random, systems: Sequence[str] = SYSTEMS
+) -> list[tuple[str, Shape]]:
     """Every (system, shape) cell once, shuffled: no system always runs right after the other
     or at the same point of a rep."""
-    cells = [(system, shape) for shape in shapes for system in SYSTEMS]
+    cells = [(system, shape) for shape in shapes for system in systems]
     rng.shuffle(cells)
     return cells
 
@@ -566,17 +568,25 @@ def progress_line(result: CellResult) -> str:
     )
 
 
+class Side(Protocol):
+    """One system's cells (HastreamSide, NatsSide, bench.lean_core's LeanSide)."""
+
+    def run(self, shape: Shape, seconds: float, rep: int, order: int) -> CellResult: ...
+
+
 def run_reps(
-    sides: dict[str, HastreamSide | NatsSide],
+    sides: Mapping[str, Side],
     shapes: Sequence[Shape],
     reps: int,
     seconds: float,
     seed: int,
+    systems: Sequence[str] = SYSTEMS,
 ) -> list[CellResult]:
+    """Every rep runs every (system, shape) cell once, in `cell_order`."""
     rng = random.Random(seed)
     results: list[CellResult] = []
     for rep in range(reps):
-        for order, (system, shape) in enumerate(cell_order(shapes, rng)):
+        for order, (system, shape) in enumerate(cell_order(shapes, rng, systems)):
             result = sides[system].run(shape, seconds, rep, order)
             print(progress_line(result), flush=True)
             results.append(result)
