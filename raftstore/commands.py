@@ -61,6 +61,12 @@ _U32: Final = struct.Struct("<I")
 _I64: Final = struct.Struct("<q")
 _U64: Final = struct.Struct("<Q")
 
+# Fixed runs of an Append, each read with one unpack: timestamp_ms and item_count; an item's
+# sequence and payload length, with its flags between them in an APPEND_FLAGGED entry.
+_TIMESTAMP_COUNT: Final = struct.Struct("<qI")
+_SEQUENCE_LENGTH: Final = struct.Struct("<QI")
+_SEQUENCE_FLAGS_LENGTH: Final = struct.Struct("<QBI")
+
 _STRING_BYTES_MAX: Final = 0xFFFF
 _BLOB_BYTES_MAX: Final = 0xFFFF_FFFF
 _FLAG_CONTIGUOUS: Final = 0x01
@@ -398,6 +404,10 @@ class _Reader:
         value: int = unpacker.unpack(self.take(unpacker.size))[0]
         return value
 
+    def fields(self, unpacker: struct.Struct) -> tuple[int, ...]:
+        values: tuple[int, ...] = unpacker.unpack(self.take(unpacker.size))
+        return values
+
     def flag(self, field: str) -> bool:
         value = self.integer(_U8)
         if value > 1:
@@ -425,20 +435,20 @@ def _decode_item(reader: _Reader, *, flagged: bool) -> AppendItem:
     producer_id_bytes = reader.integer(_U8)
     if producer_id_bytes not in (0, PRODUCER_ID_BYTES):
         raise _invalid(f"producer_id of {producer_id_bytes} bytes; want 0 or 16")
-    producer_id = bytes(reader.take(producer_id_bytes))
-    sequence = reader.integer(_U64)
+    producer_id = bytes(reader.take(producer_id_bytes)) if producer_id_bytes else b""
     contiguous = False
     if flagged:
-        flags = reader.integer(_U8)
+        sequence, flags, size = reader.fields(_SEQUENCE_FLAGS_LENGTH)
         if flags & ~_FLAGS_KNOWN:
             raise _invalid(f"item flags 0x{flags:02x} has unknown bits")
         contiguous = bool(flags & _FLAG_CONTIGUOUS)
-    return AppendItem(table, producer_id, sequence, reader.blob(), contiguous)
+    else:
+        sequence, size = reader.fields(_SEQUENCE_LENGTH)
+    return AppendItem(table, producer_id, sequence, reader.take(size), contiguous)
 
 
 def _decode_append(reader: _Reader, *, flagged: bool) -> Append:
-    timestamp_ms = reader.integer(_I64)
-    count = reader.integer(_U32)
+    timestamp_ms, count = reader.fields(_TIMESTAMP_COUNT)
     items = tuple(_decode_item(reader, flagged=flagged) for _ in range(count))
     if flagged and not any(item.contiguous for item in items):
         raise _invalid("APPEND_FLAGGED entry without a flagged item (not canonical)")
@@ -510,9 +520,9 @@ def decode(data: bytes | memoryview) -> Command:
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     reader = _Reader(view)
-    version = reader.integer(_U8)
+    version, kind = reader.fields(_HEADER)
     if version != VERSION:
         raise _invalid(f"unknown version {version}; this node reads version {VERSION}")
-    command = _decode_body(reader.integer(_U8), reader)
+    command = _decode_body(kind, reader)
     reader.finish()
     return command

@@ -114,6 +114,12 @@ FD_SOFT_LIMIT_IF_UNLIMITED: Final = 1_048_576
 DEDUP_WINDOW_ROWS: Final = 1_000_000
 PRODUCERS_MAX: Final = 10_000
 
+# The leader's payload checks kept for apply (check_memo.py): payloads up to this size,
+# this many, these many bytes per group at most.
+CHECK_MEMO_PAYLOAD_BYTES_MAX: Final = 16 * 1024
+CHECK_MEMO_ENTRIES_MAX: Final = 1024
+CHECK_MEMO_BYTES_MAX: Final = 4 * MIB
+
 # Tables per node (all groups): creating one more answers TooManyTables before proposing.
 TABLES_PER_NODE_MAX: Final = 4096
 

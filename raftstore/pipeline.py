@@ -49,7 +49,7 @@ from hastream.errors import (
 )
 from raftstore import commands, limits
 from raftstore.group import Group
-from raftstore.state_machine import ItemResult, TableMeta, validate_payload
+from raftstore.state_machine import ItemResult, TableMeta
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class PublishStream:
             try:
                 target = targets.get(request.table) or self._target(request.table)
                 targets[request.table] = target
-                accepted.append((target, _item(request, target.meta)))
+                accepted.append((target, _item(request, target)))
             except RaftStoreError as error:
                 refused = _Pending(request.sequence, 0, request.table, None, deadline, None, error)
                 break
@@ -328,12 +328,12 @@ def _ready(pending: _Pending) -> bool:
     return pending.error is not None or (pending.answer is not None and pending.answer.done())
 
 
-def _item(request: StreamedPublish, meta: TableMeta) -> commands.AppendItem:
+def _item(request: StreamedPublish, target: _Target) -> commands.AppendItem:
     """The contiguous item of a valid request. Raises InvalidArgument (producer id) or what
     `validate_payload` raises."""
     if len(request.producer_id) != commands.PRODUCER_ID_BYTES:
         raise InvalidArgument("producer_id", "PublishStream needs a 16-byte producer_id")
-    validate_payload(meta, request.payload)
+    target.group.applier.machine.validate_publish(target.meta, request.payload)
     return commands.AppendItem(
         table=request.table,
         producer_id=request.producer_id,

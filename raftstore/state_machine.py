@@ -40,6 +40,7 @@ from hastream.errors import (
 )
 from raftstore import limits
 from raftstore.access import AccessControl
+from raftstore.check_memo import CheckMemo
 from raftstore.commands import (
     Append,
     AppendItem,
@@ -384,16 +385,21 @@ def validate_payload(meta: TableMeta, payload: bytes | memoryview) -> int:
     thread: `meta` is immutable). Raises BatchTooLarge (bytes, then rows),
     InvalidArgument("payload", ...) for bytes that are not a valid Arrow IPC stream,
     SchemaMismatch naming the column, EmptyBatch. apply() applies the same checks."""
+    return _validated(meta, payload)[0]
+
+
+def _validated(meta: TableMeta, payload: bytes | memoryview) -> tuple[int, _Checked]:
+    """`validate_payload`'s row count and the check it made (what apply's would be)."""
     size = memoryview(payload).nbytes
     if size > limits.BATCH_BYTES_MAX:
         raise BatchTooLarge(size, limits.BATCH_BYTES_MAX)
-    batches = _check_payload(meta, payload).batches
-    rows: int = sum(batch.num_rows for batch in batches)
+    checked = _check_payload(meta, payload)
+    rows: int = sum(batch.num_rows for batch in checked.batches)
     if rows == 0:
         raise EmptyBatch(meta.table)
     if rows > limits.BATCH_ROWS_MAX:
         raise BatchTooLarge(rows, limits.BATCH_ROWS_MAX, "rows")
-    return rows
+    return rows, checked
 
 
 def _merged(appends: list[tuple[AppendRecords, int]]) -> list[AppendRecords]:
@@ -464,6 +470,12 @@ class GroupStateMachine:
         self._names: dict[str, tuple[int, bytes]] = {}
         # Users and grants (the catalog group only; access.py).
         self.access = AccessControl()
+        # The leader's checks of small publishes, taken back by their apply (check_memo.py).
+        self.check_memo: CheckMemo[TableMeta, _Checked] = CheckMemo(
+            entries_max=limits.CHECK_MEMO_ENTRIES_MAX,
+            bytes_max=limits.CHECK_MEMO_BYTES_MAX,
+            payload_bytes_max=limits.CHECK_MEMO_PAYLOAD_BYTES_MAX,
+        )
 
     @property
     def group_id(self) -> int:
@@ -534,7 +546,20 @@ class GroupStateMachine:
     def validate_append(self, table: str, payload: bytes | memoryview) -> int:
         """Row count of a publish, checked before it is proposed. Raises TableNotFound, or
         what `validate_payload` raises."""
-        return validate_payload(self._state(table).meta, payload)
+        return self.validate_publish(self._state(table).meta, payload)
+
+    def validate_publish(self, meta: TableMeta, payload: bytes | memoryview) -> int:
+        """`validate_payload(meta, payload)`, and a small payload's check kept for the apply
+        of the entry that carries it (check_memo.py): the leader reads it once."""
+        memo = self.check_memo
+        if not memo.fits(payload):
+            return validate_payload(meta, payload)
+        # Immutable bytes (no copy of bytes): the kept batches view them, and a caller's
+        # buffer may be reused once the publish is copied into its entry.
+        kept = bytes(payload)
+        rows, checked = _validated(meta, kept)
+        memo.remember(meta.table, kept, meta, checked)
+        return rows
 
     # -- apply -----------------------------------------------------------------------
 
@@ -659,10 +684,12 @@ class GroupStateMachine:
         state = self._tables.get(item.table)
         if state is None:
             return _item_error(item.table, TableNotFound(item.table))
-        try:
-            checked = _check_payload(state.meta, item.payload)
-        except (InvalidArgument, SchemaMismatch) as error:
-            return _item_error(item.table, error)
+        checked = self.check_memo.take(item.table, item.payload, state.meta)
+        if checked is None:  # not checked here before (a follower), or forgotten
+            try:
+                checked = _check_payload(state.meta, item.payload)
+            except (InvalidArgument, SchemaMismatch) as error:
+                return _item_error(item.table, error)
         if item.producer_id:
             answer = self._producer_answer(item)
             if answer is not None:

@@ -129,6 +129,18 @@ def encode_record(
     payload: bytes | memoryview,
 ) -> list[bytes | memoryview]:
     """[header, payload] for one record, ready for `os.writev` (the payload is not copied)."""
+    return encode_record_with_header(lsn, first_offset, row_count, timestamp_ms, payload)[1]
+
+
+def encode_record_with_header(
+    lsn: int,
+    first_offset: int,
+    row_count: int,
+    timestamp_ms: int,
+    payload: bytes | memoryview,
+) -> tuple[RecordHeader, list[bytes | memoryview]]:
+    """`encode_record`'s parts and the header they hold (the writer indexes it without
+    decoding it again)."""
     payload_len = _nbytes(payload)
     assert lsn >= 1, lsn
     assert lsn <= _U64_MAX, lsn
@@ -154,11 +166,10 @@ def encode_record(
         payload_crc,
     )
     header = fields + _CRC.pack(crc32(fields))
+    meant = RecordHeader(lsn, first_offset, row_count, timestamp_ms, payload_len, payload_crc)
     # Pair assertion: what we write must read back as what we meant.
-    assert decode_header(header) == RecordHeader(
-        lsn, first_offset, row_count, timestamp_ms, payload_len, payload_crc
-    )
-    return [header, payload]
+    assert decode_header(header) == meant
+    return meant, [header, payload]
 
 
 def decode_header(data: bytes | memoryview) -> RecordHeader:

@@ -333,10 +333,9 @@ class TableLog:
         assert record.lsn >= self._lsn_last, (record.lsn, self._lsn_last)
         assert record.first_offset == self._row_count, (record.first_offset, self._row_count)
         assert record.row_count >= 1, record.row_count
-        parts = storage_format.encode_record(
+        header, parts = storage_format.encode_record_with_header(
             record.lsn, record.first_offset, record.row_count, record.timestamp_ms, record.payload
         )
-        header = storage_format.decode_header(parts[0])
         active = self._segments[-1] if self._segments else None
         if active is None or (
             active.size > 0 and active.size + header.record_size > self._segment_bytes_max

@@ -1,0 +1,90 @@
+"""The leader's checks of small payloads, kept for the apply of the entries that carry them.
+
+A leader reads every publish's Arrow IPC payload twice: once to refuse a bad one before it
+is proposed, and again when the committed entry is applied (apply must decide from the
+entry alone, identically on every replica). For a one-row publish the second read is a
+large part of the leader's apply, which the publisher waits for; and it is the same
+computation on the same bytes against the same table. So the first read is remembered,
+keyed by the table and the payload's exact bytes, with the table incarnation it was made
+against (`owner`, compared by identity): apply takes it back only for byte-identical
+bytes of the same incarnation, and otherwise reads the payload as every follower does.
+The remembered value never decides anything a fresh read would not.
+
+Bounded: payloads up to `payload_bytes_max` (beyond that the key's copy and hash would cost
+what the read saves), at most `entries_max` entries and `bytes_max` payload bytes; the
+oldest go first. A check whose entry is never applied here (a lost leadership, a refused
+proposal) ages out the same way. Any thread: one lock, held for dict operations only.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Generic, TypeVar
+
+Owner = TypeVar("Owner")
+Value = TypeVar("Value")
+
+
+class CheckMemo(Generic[Owner, Value]):
+    def __init__(self, *, entries_max: int, bytes_max: int, payload_bytes_max: int) -> None:
+        if entries_max < 1 or payload_bytes_max < 1 or bytes_max < payload_bytes_max:
+            raise ValueError(
+                f"CheckMemo bounds entries_max={entries_max} bytes_max={bytes_max} "
+                f"payload_bytes_max={payload_bytes_max}"
+            )
+        self._entries_max = entries_max
+        self._bytes_max = bytes_max
+        self.payload_bytes_max = payload_bytes_max
+        self._lock = threading.Lock()
+        # (table, payload) -> (owner, value); insertion order is age.
+        self._values: dict[tuple[str, bytes], tuple[Owner, Value]] = {}
+        self._bytes = 0
+        self.hits = 0
+
+    def fits(self, payload: bytes | memoryview) -> bool:
+        return memoryview(payload).nbytes <= self.payload_bytes_max
+
+    def remember(self, table: str, payload: bytes, owner: Owner, value: Value) -> None:
+        """Keep `value`, the check of `payload` (immutable bytes: `value` may view them)."""
+        assert len(payload) <= self.payload_bytes_max, len(payload)
+        key = (table, payload)
+        with self._lock:
+            if self._values.pop(key, None) is not None:
+                self._bytes -= len(payload)
+            self._values[key] = (owner, value)
+            self._bytes += len(payload)
+            while len(self._values) > self._entries_max or self._bytes > self._bytes_max:
+                (_, oldest), _ = _pop_oldest(self._values)
+                self._bytes -= len(oldest)
+
+    def take(self, table: str, payload: bytes | memoryview, owner: Owner) -> Value | None:
+        """The value kept for exactly these bytes of `table` checked against `owner` (and
+        forgotten), or None."""
+        if not self._values:  # a follower's case: nothing is ever remembered there
+            return None
+        view = memoryview(payload)
+        if view.nbytes > self.payload_bytes_max:
+            return None
+        key = (table, bytes(view))
+        with self._lock:
+            kept = self._values.pop(key, None)
+            if kept is not None:
+                self._bytes -= len(key[1])
+        if kept is None or kept[0] is not owner:
+            return None
+        self.hits += 1
+        return kept[1]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @property
+    def bytes_kept(self) -> int:
+        return self._bytes
+
+
+def _pop_oldest(
+    values: dict[tuple[str, bytes], tuple[Owner, Value]],
+) -> tuple[tuple[str, bytes], tuple[Owner, Value]]:
+    key = next(iter(values))  # dicts keep insertion order: the first key is the oldest
+    return key, values.pop(key)

@@ -1,0 +1,288 @@
+"""check_memo.py and its use by the state machine: a leader's payload check, kept for the
+apply of the entry that carries it, never makes the leader decide otherwise than a follower
+that reads the entry alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from hastream.errors import RaftStoreError
+from raftstore import commands, limits
+from raftstore.check_memo import CheckMemo
+from raftstore.commands import Append, AppendItem, CreateTable, DropTable
+from raftstore.state_machine import (
+    AppendRecords,
+    AppendResult,
+    CommandResult,
+    Effect,
+    GroupStateMachine,
+)
+
+SCHEMA = pa.schema([("id", pa.int64()), ("sym", pa.string())])
+OTHER = pa.schema([("id", pa.int32()), ("sym", pa.string())])
+TS = 1_700_000_000_000
+
+
+def _payload(ids: list[int], schema: pa.Schema = SCHEMA) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        id_array = pa.array(ids, type=schema.field("id").type)
+        syms = pa.array([f"s{i}" for i in ids], type=pa.string())
+        writer.write_batch(pa.record_batch([id_array, syms], schema=schema))
+    data: bytes = sink.getvalue().to_pybytes()
+    return data
+
+
+def _create(table: str, schema: pa.Schema = SCHEMA) -> CreateTable:
+    return CreateTable(table, schema.serialize().to_pybytes(), 100, None, 60)
+
+
+class _Replica:
+    """One machine applying entries as the shell does: through the real encoding."""
+
+    def __init__(self, memo: CheckMemo[Any, Any] | None = None) -> None:
+        self.machine = GroupStateMachine(2)
+        if memo is not None:
+            self.machine.check_memo = memo
+        self.lsn = 0
+
+    def run(self, entry: bytes) -> tuple[list[Effect], AppendResult | CommandResult]:
+        self.lsn += 1
+        return self.machine.apply(self.lsn, commands.decode(memoryview(entry)))
+
+
+def _forms(outcome: tuple[list[Effect], AppendResult | CommandResult]) -> Any:
+    """What a replica decided and must write: results, rows and the bytes a data file gets."""
+    effects, result = outcome
+    written = [
+        (
+            e.table,
+            e.first_offset,
+            e.batch.to_pydict(),
+            None if e.encoded is None else bytes(e.encoded),
+        )
+        for e in effects
+        if isinstance(e, AppendRecords)
+    ]
+    if isinstance(result, CommandResult):
+        answer: Any = (type(result.error).__name__, result.offset)
+    else:
+        answer = [
+            (i.first_offset, i.row_count, i.duplicates, type(i.error).__name__)
+            for i in result.items
+        ]
+    return answer, written
+
+
+def _append_entry(*payloads: tuple[str, bytes]) -> bytes:
+    items = tuple(AppendItem(table, b"", 0, payload) for table, payload in payloads)
+    return commands.encode(Append(TS, items))
+
+
+# --- the memo alone ---------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_a_check_is_taken_back_once_for_the_same_bytes_and_owner() -> None:
+    memo: CheckMemo[object, str] = CheckMemo(entries_max=4, bytes_max=100, payload_bytes_max=10)
+    owner = object()
+    memo.remember("t", b"abc", owner, "checked")
+    assert memo.take("t", memoryview(b"xabc")[1:], owner) == "checked"
+    assert memo.take("t", b"abc", owner) is None  # taken: forgotten
+    assert (len(memo), memo.bytes_kept, memo.hits) == (0, 0, 1)
+
+
+@pytest.mark.unit
+def test_another_owner_table_or_bytes_is_a_miss() -> None:
+    memo: CheckMemo[object, str] = CheckMemo(entries_max=4, bytes_max=100, payload_bytes_max=10)
+    owner = object()
+    memo.remember("t", b"abc", owner, "checked")
+    assert memo.take("u", b"abc", owner) is None
+    assert memo.take("t", b"abd", owner) is None
+    assert memo.take("t", b"abc", object()) is None  # a re-created table: another incarnation
+    assert memo.take("t", b"abc", owner) is None  # the owner miss forgot it too
+    assert memo.hits == 0
+
+
+@pytest.mark.unit
+def test_bounds_are_enforced_oldest_first() -> None:
+    memo: CheckMemo[int, int] = CheckMemo(entries_max=3, bytes_max=10, payload_bytes_max=4)
+    for number in range(5):
+        memo.remember("t", bytes([number]) * 2, 0, number)
+    assert len(memo) == 3  # entries_max
+    assert memo.take("t", b"\x00\x00", 0) is None
+    assert memo.take("t", b"\x04\x04", 0) == 4
+    memo.remember("t", b"aaaa", 0, 10)
+    memo.remember("t", b"bbbb", 0, 11)
+    assert memo.bytes_kept <= 10  # bytes_max: the oldest went
+    assert memo.take("t", b"bbbb", 0) == 11
+    assert not memo.fits(b"12345")  # payload_bytes_max
+    assert memo.take("t", b"12345", 0) is None
+
+
+@pytest.mark.unit
+def test_the_same_bytes_remembered_twice_count_once() -> None:
+    memo: CheckMemo[int, int] = CheckMemo(entries_max=3, bytes_max=10, payload_bytes_max=4)
+    memo.remember("t", b"ab", 0, 1)
+    memo.remember("t", b"ab", 0, 2)
+    assert (len(memo), memo.bytes_kept) == (1, 2)
+    assert memo.take("t", b"ab", 0) == 2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "bounds",
+    [(0, 10, 4), (3, 10, 0), (3, 3, 4)],
+    ids=["no-entries", "no-payload", "bytes-below-one-payload"],
+)
+def test_bad_bounds_are_refused(bounds: tuple[int, int, int]) -> None:
+    entries_max, bytes_max, payload_bytes_max = bounds
+    with pytest.raises(ValueError, match="CheckMemo bounds"):
+        CheckMemo(entries_max=entries_max, bytes_max=bytes_max, payload_bytes_max=payload_bytes_max)
+
+
+@pytest.mark.unit
+def test_the_machines_memo_has_the_declared_limits() -> None:
+    memo = GroupStateMachine(2).check_memo
+    assert memo.payload_bytes_max == limits.CHECK_MEMO_PAYLOAD_BYTES_MAX
+    payload = b"x" * limits.CHECK_MEMO_PAYLOAD_BYTES_MAX
+    for number in range(limits.CHECK_MEMO_ENTRIES_MAX + 10):
+        memo.remember("t", number.to_bytes(4, "big") + payload[4:], 0, number)
+    assert len(memo) <= limits.CHECK_MEMO_ENTRIES_MAX
+    assert memo.bytes_kept <= limits.CHECK_MEMO_BYTES_MAX
+
+
+# --- through the state machine ------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_the_leaders_apply_takes_its_check_back_and_decides_as_a_follower() -> None:
+    leader, follower = _Replica(), _Replica()
+    for replica in (leader, follower):
+        replica.run(commands.encode(_create("t")))
+    payload = _payload([1, 2])
+    assert leader.machine.validate_append("t", payload) == 2
+    entry = _append_entry(("t", payload))
+    assert _forms(leader.run(entry)) == _forms(follower.run(entry))
+    assert leader.machine.check_memo.hits == 1
+    assert follower.machine.check_memo.hits == 0
+    assert len(leader.machine.check_memo) == 0
+
+
+@pytest.mark.unit
+def test_a_check_made_before_a_drop_and_re_create_is_not_used() -> None:
+    leader, follower = _Replica(), _Replica()
+    for replica in (leader, follower):
+        replica.run(commands.encode(_create("t")))
+    payload = _payload([1])
+    leader.machine.validate_append("t", payload)  # valid against the first incarnation
+    for replica in (leader, follower):
+        replica.run(commands.encode(DropTable("t", force=True)))
+        replica.run(commands.encode(_create("t", OTHER)))
+    entry = _append_entry(("t", payload))
+    decided = _forms(leader.run(entry))
+    assert decided == _forms(follower.run(entry))
+    assert decided[0] == [(-1, 0, 0, "SchemaMismatch")]
+    assert leader.machine.check_memo.hits == 0
+
+
+@pytest.mark.unit
+def test_a_reused_caller_buffer_does_not_change_what_was_kept() -> None:
+    """The publish port reads into buffers it reuses: the kept check must not view them."""
+    leader, follower = _Replica(), _Replica()
+    for replica in (leader, follower):
+        replica.run(commands.encode(_create("t")))
+    payload = _payload([7, 8, 9])
+    buffer = bytearray(payload)
+    leader.machine.validate_publish(leader.machine.table("t").meta, memoryview(buffer))
+    buffer[:] = _payload([0, 0, 0])  # same length, other rows
+    entry = _append_entry(("t", payload))
+    decided = _forms(leader.run(entry))
+    assert decided == _forms(follower.run(entry))
+    assert decided[1][0][2] == {"id": [7, 8, 9], "sym": ["s7", "s8", "s9"]}
+
+
+@pytest.mark.unit
+def test_a_payload_above_the_memos_size_is_checked_and_read_again() -> None:
+    leader = _Replica()
+    leader.run(commands.encode(_create("t")))
+    payload = _payload(list(range(4000)))
+    assert len(payload) > limits.CHECK_MEMO_PAYLOAD_BYTES_MAX
+    assert leader.machine.validate_append("t", payload) == 4000
+    assert len(leader.machine.check_memo) == 0
+    _, result = leader.run(_append_entry(("t", payload)))
+    assert isinstance(result, AppendResult)
+    assert result.items[0].row_count == 4000
+
+
+# --- a leader and a follower side by side, over generated sequences ----------------------------
+
+TABLES = ("a", "b")
+PAYLOADS = (
+    _payload([1]),
+    _payload([2, 3]),
+    _payload([1], OTHER),  # valid for a re-created table of the other schema
+    b"\xff\xff\xff\xff" + bytes(12),  # garbage: never remembered
+)
+
+
+class LeaderBesideFollower(RuleBasedStateMachine):
+    """The leader validates some payloads (some against tables that later change), and both
+    apply the same entries; a tiny memo makes eviction common. Both must decide alike."""
+
+    @initialize()
+    def start(self) -> None:
+        memo: CheckMemo[Any, Any] = CheckMemo(entries_max=3, bytes_max=4096, payload_bytes_max=2048)
+        self.leader = _Replica(memo)
+        self.follower = _Replica()
+        self.queued: list[tuple[str, bytes]] = []
+
+    def _both(self, entry: bytes) -> None:
+        assert _forms(self.leader.run(entry)) == _forms(self.follower.run(entry))
+
+    @rule(table=st.sampled_from(TABLES), other=st.booleans())
+    def create(self, table: str, other: bool) -> None:
+        self._both(commands.encode(_create(table, OTHER if other else SCHEMA)))
+
+    @rule(table=st.sampled_from(TABLES))
+    def drop(self, table: str) -> None:
+        self._both(commands.encode(DropTable(table, force=True)))
+
+    @rule(table=st.sampled_from(TABLES), payload=st.sampled_from(PAYLOADS), checked=st.booleans())
+    def publish(self, table: str, payload: bytes, checked: bool) -> None:
+        """A publish the leader validated (if it passes), or one it did not (a replay after a
+        restart, an entry of an earlier leader): both reach the log the same way."""
+        if checked:
+            try:
+                self.leader.machine.validate_append(table, payload)
+            except RaftStoreError:
+                return  # refused before proposing: never in the log
+        self.queued.append((table, payload))
+
+    @precondition(lambda self: bool(self.queued))
+    @rule(count=st.integers(1, 4))
+    def commit(self, count: int) -> None:
+        items, self.queued = self.queued[:count], self.queued[count:]
+        self._both(_append_entry(*items))
+
+    @invariant()
+    def bounded(self) -> None:
+        memo = self.leader.machine.check_memo
+        assert len(memo) <= 3
+        assert memo.bytes_kept <= 4096
+        assert len(self.follower.machine.check_memo) == 0
+
+
+LeaderBesideFollower.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestLeaderBesideFollower = pytest.mark.property(LeaderBesideFollower.TestCase)
