@@ -23,20 +23,14 @@ from raftstore.state_machine import (
     Effect,
     GroupStateMachine,
 )
+from tests.test_state_machine import MODEL_SCHEMA, OTHER_SCHEMA, _model_payload
 
-SCHEMA = pa.schema([("id", pa.int64()), ("sym", pa.string())])
-OTHER = pa.schema([("id", pa.int32()), ("sym", pa.string())])
+SCHEMA, OTHER = MODEL_SCHEMA, OTHER_SCHEMA  # (id int64, sym string) and (id int32, sym string)
 TS = 1_700_000_000_000
 
 
 def _payload(ids: list[int], schema: pa.Schema = SCHEMA) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        id_array = pa.array(ids, type=schema.field("id").type)
-        syms = pa.array([f"s{i}" for i in ids], type=pa.string())
-        writer.write_batch(pa.record_batch([id_array, syms], schema=schema))
-    data: bytes = sink.getvalue().to_pybytes()
-    return data
+    return _model_payload(list(ids), "mismatch" if schema is OTHER else "good")
 
 
 def _create(table: str, schema: pa.Schema = SCHEMA) -> CreateTable:
@@ -242,6 +236,8 @@ class LeaderBesideFollower(RuleBasedStateMachine):
         self.leader = _Replica(memo)
         self.follower = _Replica()
         self.queued: list[tuple[str, bytes]] = []
+        for table in TABLES:  # most publishes then reach a table
+            self.create(table, other=False)
 
     def _both(self, entry: bytes) -> None:
         assert _forms(self.leader.run(entry)) == _forms(self.follower.run(entry))
