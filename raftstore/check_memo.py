@@ -11,9 +11,11 @@ bytes of the same incarnation, and otherwise reads the payload as every follower
 The remembered value never decides anything a fresh read would not.
 
 Bounded: payloads up to `payload_bytes_max` (beyond that the key's copy and hash would cost
-what the read saves), at most `entries_max` entries and `bytes_max` payload bytes; the
-oldest go first. A check whose entry is never applied here (a lost leadership, a refused
-proposal) ages out the same way. Any thread: one lock, held for dict operations only.
+what the read saves), at most `entries_max` entries and `bytes_max` bytes of memory kept
+(each entry's `cost`: its payload and what its value keeps alive, e.g. the Arrow arrays of
+a wide table's batch, ~30 KB for one row of 60 columns); the oldest go first. A check
+whose entry is never applied here (a lost leadership, a refused proposal) ages out the same
+way. Any thread: one lock, held for dict operations only.
 """
 
 from __future__ import annotations
@@ -36,26 +38,31 @@ class CheckMemo(Generic[Owner, Value]):
         self._bytes_max = bytes_max
         self.payload_bytes_max = payload_bytes_max
         self._lock = threading.Lock()
-        # (table, payload) -> (owner, value); insertion order is age.
-        self._values: dict[tuple[str, bytes], tuple[Owner, Value]] = {}
+        # (table, payload) -> (owner, value, cost); insertion order is age.
+        self._values: dict[tuple[str, bytes], tuple[Owner, Value, int]] = {}
         self._bytes = 0
         self.hits = 0
 
     def fits(self, payload: bytes | memoryview) -> bool:
         return memoryview(payload).nbytes <= self.payload_bytes_max
 
-    def remember(self, table: str, payload: bytes, owner: Owner, value: Value) -> None:
-        """Keep `value`, the check of `payload` (immutable bytes: `value` may view them)."""
+    def remember(self, table: str, payload: bytes, owner: Owner, value: Value, cost: int) -> None:
+        """Keep `value`, the check of `payload` (immutable bytes: `value` may view them),
+        which keeps `cost` bytes of memory alive (>= the payload's); not if it alone would
+        pass `bytes_max`."""
         assert len(payload) <= self.payload_bytes_max, len(payload)
+        assert cost >= len(payload), (cost, len(payload))
+        if cost > self._bytes_max:
+            return
         key = (table, payload)
         with self._lock:
-            if self._values.pop(key, None) is not None:
-                self._bytes -= len(payload)
-            self._values[key] = (owner, value)
-            self._bytes += len(payload)
+            replaced = self._values.pop(key, None)
+            if replaced is not None:
+                self._bytes -= replaced[2]
+            self._values[key] = (owner, value, cost)
+            self._bytes += cost
             while len(self._values) > self._entries_max or self._bytes > self._bytes_max:
-                (_, oldest), _ = _pop_oldest(self._values)
-                self._bytes -= len(oldest)
+                self._bytes -= _pop_oldest(self._values)[2]
 
     def take(self, table: str, payload: bytes | memoryview, owner: Owner) -> Value | None:
         """The value kept for exactly these bytes of `table` checked against `owner` (and
@@ -69,7 +76,7 @@ class CheckMemo(Generic[Owner, Value]):
         with self._lock:
             kept = self._values.pop(key, None)
             if kept is not None:
-                self._bytes -= len(key[1])
+                self._bytes -= kept[2]
         if kept is None or kept[0] is not owner:
             return None
         self.hits += 1
@@ -84,7 +91,7 @@ class CheckMemo(Generic[Owner, Value]):
 
 
 def _pop_oldest(
-    values: dict[tuple[str, bytes], tuple[Owner, Value]],
-) -> tuple[tuple[str, bytes], tuple[Owner, Value]]:
+    values: dict[tuple[str, bytes], tuple[Owner, Value, int]],
+) -> tuple[Owner, Value, int]:
     key = next(iter(values))  # dicts keep insertion order: the first key is the oldest
-    return key, values.pop(key)
+    return values.pop(key)

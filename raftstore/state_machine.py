@@ -40,6 +40,7 @@ from hastream.errors import (
 )
 from raftstore import limits
 from raftstore.access import AccessControl
+from raftstore.batch_memory import cached_bytes
 from raftstore.check_memo import CheckMemo
 from raftstore.commands import (
     Append,
@@ -558,7 +559,8 @@ class GroupStateMachine:
         # buffer may be reused once the publish is copied into its entry.
         kept = bytes(payload)
         rows, checked = _validated(meta, kept)
-        memo.remember(meta.table, kept, meta, checked)
+        cost = len(kept) + sum(cached_bytes(batch) for batch in checked.batches)
+        memo.remember(meta.table, kept, meta, checked, cost)
         return rows
 
     # -- apply -----------------------------------------------------------------------

@@ -16,26 +16,13 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from raftstore.batch_memory import cached_bytes
 from raftstore.cache_budget import CacheBudget, CacheEntry
 from raftstore.state_machine import TableMeta
 from raftstore.storage.files import REAL_FILES, Files
 from raftstore.storage.segments import DataRecord, TableLog
 
 log = logging.getLogger(__name__)
-
-# What a cached batch holds beyond its buffers: Arrow's C++ arrays and their wrappers, about
-# 400 bytes per column whatever the rows (pyarrow 26: a 1-row batch of 211 columns holds
-# ~70-90 KB of memory for 1.3 KB of buffers). Counted, or a wide table published row by row
-# would cache ~60 times what the node-wide bound says (tests/test_tables.py measures it).
-BATCH_OVERHEAD_BYTES = 1024
-COLUMN_OVERHEAD_BYTES = 448
-
-
-def cached_bytes(batch: pa.RecordBatch) -> int:
-    """The memory a cached `batch` keeps alive (a cheap, conservative count)."""
-    buffers: int = batch.get_total_buffer_size()
-    columns: int = batch.num_columns
-    return buffers + BATCH_OVERHEAD_BYTES + COLUMN_OVERHEAD_BYTES * columns
 
 
 @dataclass(frozen=True, slots=True)

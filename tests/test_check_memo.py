@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hastream.errors import RaftStoreError
 from raftstore import commands, limits
+from raftstore.batch_memory import COLUMN_OVERHEAD_BYTES
 from raftstore.check_memo import CheckMemo
 from raftstore.commands import Append, AppendItem, CreateTable, DropTable
 from raftstore.state_machine import (
@@ -86,7 +87,7 @@ def _append_entry(*payloads: tuple[str, bytes]) -> bytes:
 def test_a_check_is_taken_back_once_for_the_same_bytes_and_owner() -> None:
     memo: CheckMemo[object, str] = CheckMemo(entries_max=4, bytes_max=100, payload_bytes_max=10)
     owner = object()
-    memo.remember("t", b"abc", owner, "checked")
+    memo.remember("t", b"abc", owner, "checked", 3)
     assert memo.take("t", memoryview(b"xabc")[1:], owner) == "checked"
     assert memo.take("t", b"abc", owner) is None  # taken: forgotten
     assert (len(memo), memo.bytes_kept, memo.hits) == (0, 0, 1)
@@ -96,7 +97,7 @@ def test_a_check_is_taken_back_once_for_the_same_bytes_and_owner() -> None:
 def test_another_owner_table_or_bytes_is_a_miss() -> None:
     memo: CheckMemo[object, str] = CheckMemo(entries_max=4, bytes_max=100, payload_bytes_max=10)
     owner = object()
-    memo.remember("t", b"abc", owner, "checked")
+    memo.remember("t", b"abc", owner, "checked", 3)
     assert memo.take("u", b"abc", owner) is None
     assert memo.take("t", b"abd", owner) is None
     assert memo.take("t", b"abc", object()) is None  # a re-created table: another incarnation
@@ -108,14 +109,17 @@ def test_another_owner_table_or_bytes_is_a_miss() -> None:
 def test_bounds_are_enforced_oldest_first() -> None:
     memo: CheckMemo[int, int] = CheckMemo(entries_max=3, bytes_max=10, payload_bytes_max=4)
     for number in range(5):
-        memo.remember("t", bytes([number]) * 2, 0, number)
+        memo.remember("t", bytes([number]) * 2, 0, number, 2)
     assert len(memo) == 3  # entries_max
     assert memo.take("t", b"\x00\x00", 0) is None
     assert memo.take("t", b"\x04\x04", 0) == 4
-    memo.remember("t", b"aaaa", 0, 10)
-    memo.remember("t", b"bbbb", 0, 11)
+    memo.remember("t", b"aaaa", 0, 10, 4)
+    memo.remember("t", b"bbbb", 0, 11, 7)  # what its value keeps alive counts too
     assert memo.bytes_kept <= 10  # bytes_max: the oldest went
+    assert memo.take("t", b"aaaa", 0) is None
     assert memo.take("t", b"bbbb", 0) == 11
+    memo.remember("t", b"cccc", 0, 12, 11)  # alone above bytes_max: not kept at all
+    assert (memo.take("t", b"cccc", 0), memo.bytes_kept) == (None, 0)
     assert not memo.fits(b"12345")  # payload_bytes_max
     assert memo.take("t", b"12345", 0) is None
 
@@ -123,9 +127,9 @@ def test_bounds_are_enforced_oldest_first() -> None:
 @pytest.mark.unit
 def test_the_same_bytes_remembered_twice_count_once() -> None:
     memo: CheckMemo[int, int] = CheckMemo(entries_max=3, bytes_max=10, payload_bytes_max=4)
-    memo.remember("t", b"ab", 0, 1)
-    memo.remember("t", b"ab", 0, 2)
-    assert (len(memo), memo.bytes_kept) == (1, 2)
+    memo.remember("t", b"ab", 0, 1, 5)
+    memo.remember("t", b"ab", 0, 2, 3)
+    assert (len(memo), memo.bytes_kept) == (1, 3)
     assert memo.take("t", b"ab", 0) == 2
 
 
@@ -147,9 +151,30 @@ def test_the_machines_memo_has_the_declared_limits() -> None:
     assert memo.payload_bytes_max == limits.CHECK_MEMO_PAYLOAD_BYTES_MAX
     payload = b"x" * limits.CHECK_MEMO_PAYLOAD_BYTES_MAX
     for number in range(limits.CHECK_MEMO_ENTRIES_MAX + 10):
-        memo.remember("t", number.to_bytes(4, "big") + payload[4:], 0, number)
+        memo.remember("t", number.to_bytes(4, "big") + payload[4:], 0, number, len(payload))
     assert len(memo) <= limits.CHECK_MEMO_ENTRIES_MAX
     assert memo.bytes_kept <= limits.CHECK_MEMO_BYTES_MAX
+
+
+@pytest.mark.unit
+def test_a_wide_tables_kept_checks_count_their_arrow_arrays() -> None:
+    """One row of 60 columns is ~6 KB of payload but keeps ~30 KB of Arrow arrays alive: the
+    bound counts those, so it holds about a hundred such checks, not a thousand."""
+    columns = 60
+    schema = pa.schema([(f"c{i}", pa.int32()) for i in range(columns)])
+    machine = GroupStateMachine(2)
+    machine.apply(1, CreateTable("wide", schema.serialize().to_pybytes(), 100, None, 60))
+    for number in range(300):
+        batch = pa.record_batch([pa.array([number], pa.int32())] * columns, schema=schema)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, schema) as writer:
+            writer.write_batch(batch)
+        payload = sink.getvalue().to_pybytes()
+        assert len(payload) <= limits.CHECK_MEMO_PAYLOAD_BYTES_MAX
+        machine.validate_append("wide", payload)
+    memo = machine.check_memo
+    assert memo.bytes_kept <= limits.CHECK_MEMO_BYTES_MAX
+    assert len(memo) < limits.CHECK_MEMO_BYTES_MAX // (columns * COLUMN_OVERHEAD_BYTES)
 
 
 # --- through the state machine ------------------------------------------------------------------
