@@ -82,6 +82,13 @@ class CheckMemo(Generic[Owner, Value]):
         self.hits += 1
         return kept[1]
 
+    def clear(self) -> None:
+        """Forget every check (a leader that steps down: a follower never takes one back, so
+        they would only hold memory until its next term as leader)."""
+        with self._lock:
+            self._values.clear()
+            self._bytes = 0
+
     def __len__(self) -> int:
         return len(self._values)
 

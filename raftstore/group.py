@@ -210,6 +210,9 @@ class Group:
         with self._lock:
             waiting = list(self._waiting)
         if not is_leader:
+            # A follower reads every entry it applies: the checks kept for this node's own
+            # proposals (check_memo.py) would only hold memory.
+            self.applier.machine.check_memo.clear()
             lost = LeadershipLost("this node stepped down before the entry committed")
             self._batcher.fail_in_flight(lost)
             for future in waiting:

@@ -134,6 +134,14 @@ def test_the_same_bytes_remembered_twice_count_once() -> None:
 
 
 @pytest.mark.unit
+def test_clear_forgets_everything() -> None:
+    memo: CheckMemo[int, int] = CheckMemo(entries_max=3, bytes_max=10, payload_bytes_max=4)
+    memo.remember("t", b"ab", 0, 1, 2)
+    memo.clear()
+    assert (len(memo), memo.bytes_kept, memo.take("t", b"ab", 0)) == (0, 0, None)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "bounds",
     [(0, 10, 4), (3, 10, 0), (3, 3, 4)],

@@ -144,6 +144,41 @@ def test_pipelined_one_row_appends_are_acked_in_order_and_land_once_in_order(
         assert ids_on(cluster, alias, "piped") == list(range(count)), alias
 
 
+def test_the_leader_reads_a_small_publish_once_and_the_followers_read_every_entry(
+    cluster: LocalCluster,
+) -> None:
+    """check_memo.py in the real cluster: the leader's apply takes back the check each
+    publish made before it was proposed (waited appends and pipelined ones alike); the
+    followers, which never check, read every entry; every replica holds the same rows."""
+    cluster.create_table("checked_once", SCHEMA)
+    leader = cluster.leader()
+
+    def reused() -> dict[str, int]:
+        return {
+            alias: int(cluster.group_status(alias, 2)["payload_checks_reused"])
+            for alias in cluster.alive()
+        }
+
+    before = reused()
+    with session_for(cluster) as session:
+        publisher = Publisher(session, "checked_once", deadline_s=DEADLINE_S)
+        for number in range(50):
+            assert publisher.append(rows(number, 1)).first_offset == number
+        futures = [publisher.append_async(rows(number, 1)) for number in range(50, 100)]
+        assert publisher.flush() == 0
+        publisher.close()
+    assert [future.result().first_offset for future in futures] == list(range(50, 100))
+    assert cluster.leader() == leader, "the test needs one leader throughout"
+    after = reused()
+    gained = {alias: after[alias] - before[alias] for alias in after}
+    print(f"\nchecks reused per node: {gained}")
+    assert gained[leader] >= 50, gained  # every waited append, and the pipeline's requests
+    assert all(gained[alias] == 0 for alias in gained if alias != leader), gained
+    wait_replicas(cluster, "checked_once", 100)
+    for alias in cluster.alive():
+        assert ids_on(cluster, alias, "checked_once") == list(range(100)), alias
+
+
 def test_flush_returns_once_every_future_is_completed(cluster: LocalCluster) -> None:
     # The pipeline took acknowledged requests off its window, woke flush, and only then
     # completed their futures: a caller looking at its futures right after flush found some
