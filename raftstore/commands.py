@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Final, TypeVar
 
 from hastream.errors import InvalidArgument
+from raftstore.values import entry_value
 
 VERSION: Final = 1
 PRODUCER_ID_BYTES: Final = 16
@@ -134,7 +135,7 @@ class DropTable:
     force: bool
 
 
-@dataclass(frozen=True, slots=True)
+@entry_value
 class AppendItem:
     table: str
     producer_id: bytes  # b"" (no producer dedup) or exactly PRODUCER_ID_BYTES bytes.
@@ -147,7 +148,7 @@ class AppendItem:
     contiguous: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@entry_value
 class Append:
     timestamp_ms: int  # Stamped by the leader before proposing; apply never reads a clock.
     items: tuple[AppendItem, ...]

@@ -58,6 +58,7 @@ from raftstore.commands import (
     SetRule,
 )
 from raftstore.dedup import KeyWindow, ProducerRecord, ProducerWindow
+from raftstore.values import entry_value
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class DropTableFiles:
     created_lsn: int  # the incarnation: a re-created table of the same name has its own files
 
 
-@dataclass(frozen=True, slots=True)
+@entry_value
 class AppendRecords:
     """Rows `[first_offset, first_offset + batch.num_rows)` of `table`, carried by entry
     `lsn`. `batch` has exactly the table's schema; it may be a zero-copy view into the
@@ -143,7 +144,7 @@ Effect = CreateTableFiles | DropTableFiles | AppendRecords
 # Results: returned, never raised; the same on every replica.
 
 
-@dataclass(frozen=True, slots=True)
+@entry_value
 class ItemResult:
     """One AppendItem's outcome. With `error` set, the offsets are meaningless
     (first_offset -1, counts 0). `duplicate_batch`: a producer retry, answered with the
@@ -158,7 +159,7 @@ class ItemResult:
     error: RaftStoreError | None
 
 
-@dataclass(frozen=True, slots=True)
+@entry_value
 class AppendResult:
     lsn: int
     items: tuple[ItemResult, ...]
@@ -264,7 +265,7 @@ def _check_create(command: CreateTable, *, exists: bool) -> pa.Schema:
     return schema
 
 
-@dataclass(frozen=True, slots=True)
+@entry_value
 class _Checked:
     """A payload's non-empty batches and, when there is one, read message by message with
     the table's schema, its encapsulated IPC message as the publisher encoded it (a view of

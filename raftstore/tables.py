@@ -11,7 +11,6 @@ import collections
 import logging
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,11 +20,12 @@ from raftstore.cache_budget import CacheBudget, CacheEntry
 from raftstore.state_machine import TableMeta
 from raftstore.storage.files import REAL_FILES, Files
 from raftstore.storage.segments import DataRecord, TableLog
+from raftstore.values import entry_value
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@entry_value
 class RowSlice:
     """Rows [first_offset, first_offset + batch.num_rows) of a table, stamped together."""
 

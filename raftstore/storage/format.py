@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Final
 
 from hastream.checksum import crc32
 from raftstore import limits
+from raftstore.values import entry_value
 
 RECORD_MAGIC: Final = b"HSDR"
 RECORD_VERSION: Final = 1
@@ -97,7 +97,7 @@ class BadChecksum(FormatError):
     """A CRC does not match the bytes it covers."""
 
 
-@dataclass(frozen=True, slots=True)
+@entry_value
 class RecordHeader:
     lsn: int
     first_offset: int

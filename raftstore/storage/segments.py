@@ -71,6 +71,7 @@ from raftstore.storage.files import (
     ensure_dir,
 )
 from raftstore.storage.format import HEADER_SIZE, FormatError, RecordHeader
+from raftstore.values import entry_value
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def segment_name(first_offset: int) -> str:
     return f"seg-{first_offset:020d}.dat"
 
 
-@dataclass(frozen=True, slots=True)
+@entry_value
 class DataRecord:
     """One record: a batch of `row_count` rows at offsets [first_offset, first_offset +
     row_count), carried by Raft entry `lsn`. `payload` is an Arrow IPC record-batch message,
