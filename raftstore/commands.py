@@ -402,8 +402,7 @@ class _Reader:
         return self._view[start:end]
 
     def integer(self, unpacker: struct.Struct) -> int:
-        value: int = unpacker.unpack(self.take(unpacker.size))[0]
-        return value
+        return self.fields(unpacker)[0]
 
     def fields(self, unpacker: struct.Struct) -> tuple[int, ...]:
         values: tuple[int, ...] = unpacker.unpack(self.take(unpacker.size))

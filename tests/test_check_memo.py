@@ -8,23 +8,27 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hastream.errors import RaftStoreError
-from raftstore import commands, limits
+from raftstore import limits
 from raftstore.batch_memory import COLUMN_OVERHEAD_BYTES
 from raftstore.check_memo import CheckMemo
-from raftstore.commands import Append, AppendItem, CreateTable, DropTable
+from raftstore.commands import Append, AppendItem, Command, CreateTable, DropTable
 from raftstore.state_machine import (
     AppendRecords,
     AppendResult,
     CommandResult,
-    Effect,
     GroupStateMachine,
 )
-from tests.test_state_machine import MODEL_SCHEMA, OTHER_SCHEMA, _model_payload
+from tests.test_state_machine import (
+    MODEL_SCHEMA,
+    MODEL_SETTINGS,
+    OTHER_SCHEMA,
+    Driver,
+    _model_payload,
+)
 
 SCHEMA, OTHER = MODEL_SCHEMA, OTHER_SCHEMA  # (id int64, sym string) and (id int32, sym string)
 TS = 1_700_000_000_000
@@ -38,23 +42,20 @@ def _create(table: str, schema: pa.Schema = SCHEMA) -> CreateTable:
     return CreateTable(table, schema.serialize().to_pybytes(), 100, None, 60)
 
 
-class _Replica:
-    """One machine applying entries as the shell does: through the real encoding."""
-
-    def __init__(self, memo: CheckMemo[Any, Any] | None = None) -> None:
-        self.machine = GroupStateMachine(2)
-        if memo is not None:
-            self.machine.check_memo = memo
-        self.lsn = 0
-
-    def run(self, entry: bytes) -> tuple[list[Effect], AppendResult | CommandResult]:
-        self.lsn += 1
-        return self.machine.apply(self.lsn, commands.decode(memoryview(entry)))
+def _machine(memo: CheckMemo[Any, Any] | None = None) -> Driver:
+    """A replica's state machine, fed through the real command encoding (test_state_machine's
+    Driver); `memo`: a smaller memo than the machine's own."""
+    driver = Driver(GroupStateMachine(2))
+    if memo is not None:
+        driver.machine.check_memo = memo
+    return driver
 
 
-def _forms(outcome: tuple[list[Effect], AppendResult | CommandResult]) -> Any:
-    """What a replica decided and must write: results, rows and the bytes a data file gets."""
-    effects, result = outcome
+def _decided(driver: Driver, command: Command) -> Any:
+    """What a replica decided for `command` and must write: results, rows, and the bytes a
+    data file gets."""
+    first = len(driver.effects)
+    result = driver.run(command)
     written = [
         (
             e.table,
@@ -62,7 +63,7 @@ def _forms(outcome: tuple[list[Effect], AppendResult | CommandResult]) -> Any:
             e.batch.to_pydict(),
             None if e.encoded is None else bytes(e.encoded),
         )
-        for e in effects
+        for e in driver.effects[first:]
         if isinstance(e, AppendRecords)
     ]
     if isinstance(result, CommandResult):
@@ -75,9 +76,8 @@ def _forms(outcome: tuple[list[Effect], AppendResult | CommandResult]) -> Any:
     return answer, written
 
 
-def _append_entry(*payloads: tuple[str, bytes]) -> bytes:
-    items = tuple(AppendItem(table, b"", 0, payload) for table, payload in payloads)
-    return commands.encode(Append(TS, items))
+def _append(*payloads: tuple[str, bytes]) -> Append:
+    return Append(TS, tuple(AppendItem(table, b"", 0, payload) for table, payload in payloads))
 
 
 # --- the memo alone ---------------------------------------------------------------------------
@@ -190,13 +190,13 @@ def test_a_wide_tables_kept_checks_count_their_arrow_arrays() -> None:
 
 @pytest.mark.unit
 def test_the_leaders_apply_takes_its_check_back_and_decides_as_a_follower() -> None:
-    leader, follower = _Replica(), _Replica()
+    leader, follower = _machine(), _machine()
     for replica in (leader, follower):
-        replica.run(commands.encode(_create("t")))
+        replica.run(_create("t"))
     payload = _payload([1, 2])
     assert leader.machine.validate_append("t", payload) == 2
-    entry = _append_entry(("t", payload))
-    assert _forms(leader.run(entry)) == _forms(follower.run(entry))
+    entry = _append(("t", payload))
+    assert _decided(leader, entry) == _decided(follower, entry)
     assert leader.machine.check_memo.hits == 1
     assert follower.machine.check_memo.hits == 0
     assert len(leader.machine.check_memo) == 0
@@ -204,17 +204,17 @@ def test_the_leaders_apply_takes_its_check_back_and_decides_as_a_follower() -> N
 
 @pytest.mark.unit
 def test_a_check_made_before_a_drop_and_re_create_is_not_used() -> None:
-    leader, follower = _Replica(), _Replica()
+    leader, follower = _machine(), _machine()
     for replica in (leader, follower):
-        replica.run(commands.encode(_create("t")))
+        replica.run(_create("t"))
     payload = _payload([1])
     leader.machine.validate_append("t", payload)  # valid against the first incarnation
     for replica in (leader, follower):
-        replica.run(commands.encode(DropTable("t", force=True)))
-        replica.run(commands.encode(_create("t", OTHER)))
-    entry = _append_entry(("t", payload))
-    decided = _forms(leader.run(entry))
-    assert decided == _forms(follower.run(entry))
+        replica.run(DropTable("t", force=True))
+        replica.run(_create("t", OTHER))
+    entry = _append(("t", payload))
+    decided = _decided(leader, entry)
+    assert decided == _decided(follower, entry)
     assert decided[0] == [(-1, 0, 0, "SchemaMismatch")]
     assert leader.machine.check_memo.hits == 0
 
@@ -222,28 +222,28 @@ def test_a_check_made_before_a_drop_and_re_create_is_not_used() -> None:
 @pytest.mark.unit
 def test_a_reused_caller_buffer_does_not_change_what_was_kept() -> None:
     """The publish port reads into buffers it reuses: the kept check must not view them."""
-    leader, follower = _Replica(), _Replica()
+    leader, follower = _machine(), _machine()
     for replica in (leader, follower):
-        replica.run(commands.encode(_create("t")))
+        replica.run(_create("t"))
     payload = _payload([7, 8, 9])
     buffer = bytearray(payload)
     leader.machine.validate_publish(leader.machine.table("t").meta, memoryview(buffer))
     buffer[:] = _payload([0, 0, 0])  # same length, other rows
-    entry = _append_entry(("t", payload))
-    decided = _forms(leader.run(entry))
-    assert decided == _forms(follower.run(entry))
+    entry = _append(("t", payload))
+    decided = _decided(leader, entry)
+    assert decided == _decided(follower, entry)
     assert decided[1][0][2] == {"id": [7, 8, 9], "sym": ["s7", "s8", "s9"]}
 
 
 @pytest.mark.unit
 def test_a_payload_above_the_memos_size_is_checked_and_read_again() -> None:
-    leader = _Replica()
-    leader.run(commands.encode(_create("t")))
+    leader = _machine()
+    leader.run(_create("t"))
     payload = _payload(list(range(4000)))
     assert len(payload) > limits.CHECK_MEMO_PAYLOAD_BYTES_MAX
     assert leader.machine.validate_append("t", payload) == 4000
     assert len(leader.machine.check_memo) == 0
-    _, result = leader.run(_append_entry(("t", payload)))
+    result = leader.run(_append(("t", payload)))
     assert isinstance(result, AppendResult)
     assert result.items[0].row_count == 4000
 
@@ -266,22 +266,22 @@ class LeaderBesideFollower(RuleBasedStateMachine):
     @initialize()
     def start(self) -> None:
         memo: CheckMemo[Any, Any] = CheckMemo(entries_max=3, bytes_max=4096, payload_bytes_max=2048)
-        self.leader = _Replica(memo)
-        self.follower = _Replica()
+        self.leader = _machine(memo)
+        self.follower = _machine()
         self.queued: list[tuple[str, bytes]] = []
         for table in TABLES:  # most publishes then reach a table
             self.create(table, other=False)
 
-    def _both(self, entry: bytes) -> None:
-        assert _forms(self.leader.run(entry)) == _forms(self.follower.run(entry))
+    def _both(self, command: Command) -> None:
+        assert _decided(self.leader, command) == _decided(self.follower, command)
 
     @rule(table=st.sampled_from(TABLES), other=st.booleans())
     def create(self, table: str, other: bool) -> None:
-        self._both(commands.encode(_create(table, OTHER if other else SCHEMA)))
+        self._both(_create(table, OTHER if other else SCHEMA))
 
     @rule(table=st.sampled_from(TABLES))
     def drop(self, table: str) -> None:
-        self._both(commands.encode(DropTable(table, force=True)))
+        self._both(DropTable(table, force=True))
 
     @rule(table=st.sampled_from(TABLES), payload=st.sampled_from(PAYLOADS), checked=st.booleans())
     def publish(self, table: str, payload: bytes, checked: bool) -> None:
@@ -298,7 +298,7 @@ class LeaderBesideFollower(RuleBasedStateMachine):
     @rule(count=st.integers(1, 4))
     def commit(self, count: int) -> None:
         items, self.queued = self.queued[:count], self.queued[count:]
-        self._both(_append_entry(*items))
+        self._both(_append(*items))
 
     @invariant()
     def bounded(self) -> None:
@@ -308,10 +308,5 @@ class LeaderBesideFollower(RuleBasedStateMachine):
         assert len(self.follower.machine.check_memo) == 0
 
 
-LeaderBesideFollower.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+LeaderBesideFollower.TestCase.settings = MODEL_SETTINGS
 TestLeaderBesideFollower = pytest.mark.property(LeaderBesideFollower.TestCase)

@@ -1228,12 +1228,14 @@ class GroupModel(RuleBasedStateMachine):
         assert self.driver.machine.topics() == self.topics
 
 
-GroupModel.TestCase.settings = settings(
+# The model tests' settings (tests/test_check_memo.py runs its model with them too).
+MODEL_SETTINGS = settings(
     max_examples=200,
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+GroupModel.TestCase.settings = MODEL_SETTINGS
 TestGroupModel = pytest.mark.property(GroupModel.TestCase)
 
 
