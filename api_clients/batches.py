@@ -207,10 +207,16 @@ def encode_batch(batch: pa.RecordBatch, schema: pa.Schema) -> bytes | None:
     """`batch` (of `schema`'s fields) as one IPC stream under `schema`'s message, which
     carries the schema's own metadata: the bytes `encode` makes of the table of that batch
     with that schema, without the table. None when the schema takes the stream writer."""
+    return stream_of(batch.serialize(), schema)
+
+
+def stream_of(message: bytes | pa.Buffer, schema: pa.Schema) -> bytes | None:
+    """One record batch's IPC message (of `schema`'s fields) as one IPC stream under
+    `schema`'s message; None when the schema takes the stream writer."""
     head = _schema_messages.get(schema)
     if head is None:
         return None
-    return b"".join((head, batch.serialize(), _END_OF_STREAM))
+    return b"".join((head, message, _END_OF_STREAM))
 
 
 class PerSchema(Generic[T]):

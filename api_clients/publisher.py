@@ -241,6 +241,9 @@ class Publisher:
         """A few plain rows as requests: one struct conversion (row_path.py), a sixth of the
         general path's cost for one row, encoded as one record batch (no table to build,
         measure and cut: a waited one-row append pays every object made on its round trip)."""
+        payload = row_path.rows_payload(rows, schema)
+        if payload is not None and len(payload) <= self._batch_bytes_max:
+            return [batches.EncodedChunk(payload=payload, row_count=len(rows))]
         batch = row_path.rows_batch(rows, schema)
         payload = batches.encode_batch(batch, schema)
         if payload is not None and len(payload) <= self._batch_bytes_max:

@@ -256,6 +256,9 @@ def test_the_quick_row_path_accepts_only_rows_the_general_path_converts_the_same
     assert 0 < len(rows) <= row_path.ROWS_MAX
     expected = batches.to_table(rows, ROW_SCHEMA, "t")
     assert row_path.rows_table(quick, ROW_SCHEMA).equals(expected)
+    # The payload packed without pyarrow (row_ipc.py) is pyarrow's, byte for byte.
+    payload = row_path.rows_payload(quick, ROW_SCHEMA)
+    assert payload == batches.encode_batch(row_path.rows_batch(quick, ROW_SCHEMA), ROW_SCHEMA)
 
 
 # Every type with a quick check, field and schema metadata, a non-nullable column.
@@ -310,6 +313,8 @@ def test_quick_rows_encode_byte_for_byte_as_the_general_path(
     assert payload == batches.encode(expected) == _stream_writer_bytes(expected)
     # What a waited append of quick rows sends: the batch alone, under the schema's message.
     assert batches.encode_batch(row_path.rows_batch(quick, WIDE_SCHEMA), WIDE_SCHEMA) == payload
+    # And what it sends, packed without pyarrow (row_ipc.py): the same bytes.
+    assert row_path.rows_payload(quick, WIDE_SCHEMA) == payload
 
 
 @pytest.mark.unit
