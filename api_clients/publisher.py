@@ -238,9 +238,11 @@ class Publisher:
     def _row_chunks(
         self, rows: list[Sequence[Any]], schema: pa.Schema
     ) -> list[batches.EncodedChunk]:
-        """A few plain rows as requests: one struct conversion (row_path.py), a sixth of the
-        general path's cost for one row, encoded as one record batch (no table to build,
-        measure and cut: a waited one-row append pays every object made on its round trip)."""
+        """A few plain rows as requests: packed with struct into pyarrow's bytes
+        (row_path.rows_payload, row_ipc.py), else one struct conversion (row_path.py), a
+        sixth of the general path's cost for one row, encoded as one record batch (no table
+        to build, measure and cut: a waited one-row append pays every object made on its
+        round trip)."""
         payload = row_path.rows_payload(rows, schema)
         if payload is not None and len(payload) <= self._batch_bytes_max:
             return [batches.EncodedChunk(payload=payload, row_count=len(rows))]

@@ -6,8 +6,9 @@ conversion. `Publisher.append_async` therefore takes a short list of row tuples 
 every value is plainly of its column's type (`quick_rows`): it checks them on the caller's
 thread and queues the Python rows; the coalescer's sender converts everything queued
 together, once per request (`rows_table`). A waited `Publisher.append` of such rows
-converts them the same way and sends the record batch itself (`rows_batch`,
-`batches.encode_batch`). Anything else takes the general path
+packs them into the request's bytes without pyarrow (`rows_payload`, row_ipc.py), or
+where the packer leaves them to pyarrow converts them the same way and sends the record
+batch itself (`rows_batch`, `batches.encode_batch`). Anything else takes the general path
 (`batches.to_table`), which is also what decides the errors: a row the quick checks do not
 vouch for never takes this path, so both paths accept and refuse the same rows.
 """
