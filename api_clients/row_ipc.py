@@ -232,23 +232,19 @@ def _bitmap(bits: list[bool]) -> bytes:
 
 
 def _fixed(code: str, convert: Callable[[Any], float | int] | None) -> ColumnPacker:
-    formats: dict[int, struct.Struct] = {}
-
+    # struct keeps the formats it compiled (its own bounded cache): none is kept here.
     def pack(values: tuple[Any, ...]) -> tuple[int, Buffers]:
-        count = len(values)
-        packer = formats.get(count)
-        if packer is None:
-            packer = formats.setdefault(count, struct.Struct(f"<{count}{code}"))
+        layout = f"<{len(values)}{code}"
         if None not in values:
             if convert is not None:
                 values = tuple(map(convert, values))
-            return 0, [b"", packer.pack(*values)]
+            return 0, [b"", struct.pack(layout, *values)]
         nulls, validity = _validity(values)
         if convert is not None:
             values = tuple(0 if value is None else convert(value) for value in values)
         else:
             values = tuple(0 if value is None else value for value in values)  # pyarrow's
-        return nulls, [validity, packer.pack(*values)]
+        return nulls, [validity, struct.pack(layout, *values)]
 
     return pack
 
