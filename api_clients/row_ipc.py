@@ -142,9 +142,11 @@ class RowMessages:
         except (_Unsupported, struct.error, pa.ArrowException):
             return None
         encoder = cls(layout, tuple(packer for packer in packers if packer is not None))
-        for rows in samples:
-            if encoder.encode(rows) != reference(rows):
+        try:
+            if any(encoder.encode(rows) != reference(rows) for rows in samples):
                 return None
+        except pa.ArrowException:
+            return None
         return encoder
 
     def encode(self, rows: Sequence[Sequence[Any]]) -> bytes | None:
