@@ -15,9 +15,9 @@ The bytes are pyarrow's own, not merely readable ones: what the nodes store and 
 the same whichever path converted the rows, and the check can compare bytes rather than
 trust a reading. So a schema is taken only after the encoder's output equals pyarrow's for
 sample rows with and without nulls (`for_schema`), and any value the encoder cannot pack
-the way pyarrow converts it (a float too large for float32, an int pyarrow refuses as
-float32, a string that is not valid UTF-8, an out-of-range timestamp) makes `encode` return
-None: the caller converts those rows with pyarrow, which gives its usual result or error.
+the way pyarrow converts it (a float too large for float32, a string that is not valid
+UTF-8, an out-of-range timestamp) makes `encode` return None: the caller converts those
+rows with pyarrow, which gives its usual result or error.
 """
 
 from __future__ import annotations
@@ -48,12 +48,9 @@ _FIXED: Final = {
     pa.float32(): "f",
     pa.float64(): "d",
 }
-# pyarrow refuses an int for a float32 column beyond this (not exact in 24 bits).
-_FLOAT32_EXACT_INT: Final = 2**24
 # Errors of a value the encoder packs differently from pyarrow, or not at all: pyarrow
 # converts those rows (struct.error for out-of-range integers and offsets, OverflowError
-# for a float32 overflow, an int pyarrow refuses as float32 or a timestamp out of range,
-# UnicodeEncodeError for surrogates).
+# for a float32 overflow or a timestamp out of range, UnicodeEncodeError for surrogates).
 _LEFT_TO_PYARROW: Final = (struct.error, OverflowError, UnicodeEncodeError)
 
 Buffers = list[bytes]
@@ -202,7 +199,7 @@ def _packer(field: pa.Field) -> ColumnPacker | None:
     arrow_type = field.type
     kind = _kind(arrow_type)
     if kind == "fixed":
-        return _fixed(_FIXED[arrow_type], _float32 if arrow_type == pa.float32() else None)
+        return _fixed(_FIXED[arrow_type], None)
     if kind == "timestamp":
         unit = arrow_type.unit
         if unit == "ns":
@@ -233,7 +230,7 @@ def _bitmap(bits: list[bool]) -> bytes:
     return bytes(packed)
 
 
-def _fixed(code: str, convert: Callable[[Any], float | int] | None) -> ColumnPacker:
+def _fixed(code: str, convert: Callable[[Any], int] | None) -> ColumnPacker:
     # struct keeps the formats it compiled (its own bounded cache): none is kept here.
     def pack(values: tuple[Any, ...]) -> tuple[int, Buffers]:
         layout = f"<{len(values)}{code}"
@@ -249,12 +246,6 @@ def _fixed(code: str, convert: Callable[[Any], float | int] | None) -> ColumnPac
         return nulls, [validity, struct.pack(layout, *values)]
 
     return pack
-
-
-def _float32(value: float | int) -> float | int:
-    if type(value) is int and not -_FLOAT32_EXACT_INT <= value <= _FLOAT32_EXACT_INT:
-        raise OverflowError(f"{value} is not exact as float32")  # pyarrow refuses it
-    return value
 
 
 def _booleans(values: tuple[Any, ...]) -> tuple[int, Buffers]:

@@ -27,7 +27,10 @@ from api_clients.row_ipc import RowMessages
 
 Check = Callable[[Any], bool]
 ROWS_MAX: Final = 16  # more rows per call amortise the conversion by themselves
-_EXACT_FLOAT_INT: Final = 2**53
+# The ints pyarrow takes for a float column: those its type holds exactly (it refuses the
+# rest, and the general path says SchemaMismatch); float16 it does not check.
+_EXACT_FLOAT_INT: Final = {pa.float32(): 2**24}
+_EXACT_DOUBLE_INT: Final = 2**53
 _INT_BOUNDS: Final = {
     pa.int8(): (-(2**7), 2**7 - 1),
     pa.int16(): (-(2**15), 2**15 - 1),
@@ -59,9 +62,9 @@ def _check_for(arrow_type: pa.DataType) -> Check | None:
         low, high = bounds
         return lambda value: type(value) is int and low <= value <= high
     if pa.types.is_floating(arrow_type):
+        exact = _EXACT_FLOAT_INT.get(arrow_type, _EXACT_DOUBLE_INT)
         return lambda value: (
-            type(value) is float
-            or (type(value) is int and -_EXACT_FLOAT_INT <= value <= _EXACT_FLOAT_INT)
+            type(value) is float or (type(value) is int and -exact <= value <= exact)
         )
     if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
         return lambda value: type(value) is str
