@@ -98,6 +98,7 @@ from hastream.errors import (
     RaftStoreError,
 )
 from raftstore import commands, limits, pre_vote, pysyncobj_patches, trace
+from raftstore.append_rule import AppendPlan, raft_append_rule
 from raftstore.identity import REJOIN_MARKER
 from raftstore.log_limits import OncePerInterval
 from raftstore.pre_vote import LogPosition, PreVoteRound
@@ -189,6 +190,9 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._leader_heard_at: float | None = None  # last append_entries of a current term
         self._slow_tick_log = OncePerInterval(10.0)
         self._commit_before_tick = 0  # the commit index before pysyncobj's computation
+        # While a follower hands pysyncobj a message that must keep its log's tail
+        # (_keeping_tail): the last index its __getEntries may show.
+        self._log_view_end: int | None = None
         # Held by whichever thread runs pysyncobj's code: the tick thread for a whole tick
         # but the wait in its poll, or a thread proposing on the leader (_applyCommand).
         self._tick_lock = threading.Lock()
@@ -509,6 +513,10 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         journal = self._journal
         if fromIDx is None or not len(journal) or fromIDx < journal.index_at(0):
             return []
+        view_end = self._log_view_end
+        if view_end is not None:
+            shown = max(0, view_end - fromIDx + 1)
+            count = shown if count is None else min(count, shown)
         return journal.entries(fromIDx - journal.index_at(0), count, maxSizeBytes)
 
     def _count_self_only_when_durable(self) -> None:
@@ -670,6 +678,16 @@ def _on_message_received(self: _SyncObj, node: Any, message: Any) -> Any:
         # advanced its nextIndex already; once healthy, the next heartbeat finds the entries
         # missing here and the leader resends them.
         return None
+    if (
+        kind == "append_entries"
+        and "prevLogIdx" in message
+        and message.get("transmission") is None
+        and message.get("term", 0) >= self.raftCurrentTerm
+    ):
+        plan = _append_plan(self, message)
+        if plan.keep_tail:
+            return _keeping_tail(self, node, plan)
+        message = plan.message
     # pysyncobj sets nextIndex[follower] to the acknowledged index on every success, even
     # when it already sent entries past it (a late ack of an earlier message): its next send
     # would resend every in-flight entry, which the follower truncates, rewrites and fsyncs
@@ -695,6 +713,40 @@ def _on_message_received(self: _SyncObj, node: Any, message: Any) -> Any:
     result = _original_on_message_received(self, node, message)
     again = max(0, held - int(message.get("prevLogIdx", held)))
     tracer.follower_handled(len(entries), again, started, trace.clock())
+    return result
+
+
+def _append_plan(self: _SyncObj, message: dict[str, Any]) -> AppendPlan:
+    """Raft's follower rule for this message (append_rule.py); the terms it compares are
+    looked up only when the log goes past the message's prevLogIdx (a stable leader's next
+    message starts at the log's end: no lookup)."""
+    journal = self._journal
+    held = len(journal)
+    last_index = journal.index_at(held - 1) if held else 0
+    prev = int(message["prevLogIdx"])
+    entries = message.get("entries") or []
+    if last_index <= prev:
+        return AppendPlan(message, prev + len(entries), keep_tail=False)
+    terms = journal.terms(prev, min(last_index - prev, len(entries)) + 1)
+    return raft_append_rule(message, last_index, terms)
+
+
+def _keeping_tail(self: _SyncObj, node: Any, plan: AppendPlan) -> Any:
+    # The message adds nothing and the log goes on past it (a late heartbeat or resend):
+    # pysyncobj would delete that tail. For this one message its __getEntries shows a log
+    # that ends at the message's end, so it deletes nothing and acknowledges up to there;
+    # the commit index it then sets (the leader's, up to this log's last index) is held to
+    # the message's end, Raft's rule 5: the tail is not yet known to match the leader's.
+    before = int(self._SyncObj__raftCommitIndex)
+    self._log_view_end = plan.verified_end
+    try:
+        result = _original_on_message_received(self, node, plan.message)
+    finally:
+        self._log_view_end = None
+    bound = max(before, plan.verified_end)
+    if self._SyncObj__raftCommitIndex > bound:
+        setattr(self, "_SyncObj__raftCommitIndex", bound)  # noqa: B010 (mypy: pysyncobj's)
+        self._SyncObj__raftLog.setRaftCommitIndex(bound)
     return result
 
 

@@ -15,44 +15,16 @@ from typing import Any
 import pytest
 
 from hastream.errors import RaftStoreError
-from raftstore.replica import RoleSignal, Snapshot
+from raftstore.replica import RoleSignal
 from raftstore.replication import RaftReplica, RaftSettings
 from tests.harness import free_ports, wait_until
-
-
-@dataclass
-class _Recorder:
-    """ApplyHooks that keep every applied command, in order (the tick thread)."""
-
-    applied: list[bytes] = field(default_factory=list)
-
-    def apply(self, lsn: int, command: memoryview) -> Any:
-        self.applied.append(bytes(command))
-        return lsn
-
-    def checkpoint(self) -> Snapshot:
-        return Snapshot(0, b"")
-
-    def checkpoint_written(self, lsn: int) -> None:
-        pass
-
-    def checkpoint_wanted(self) -> bool:
-        return False
-
-    def restore(self, snapshot: Snapshot) -> None:
-        pass
-
-    def on_tick(self) -> None:
-        pass
-
-    def in_doubt(self) -> bool:
-        return False
+from tests.raft_members import RecordingHooks
 
 
 @dataclass
 class _Member:
     replica: RaftReplica
-    hooks: _Recorder
+    hooks: RecordingHooks
 
 
 @pytest.fixture
@@ -70,7 +42,7 @@ def members(tmp_path: Path) -> Iterator[list[_Member]]:
                 election_timeout_s=1.0,
                 checkpoint_interval_s=3600.0,
             )
-            hooks = _Recorder()
+            hooks = RecordingHooks()
             built.append(_Member(RaftReplica(settings, hooks, RoleSignal()), hooks))
         yield built
     finally:

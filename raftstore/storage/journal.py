@@ -650,6 +650,14 @@ class DurableJournal:
             )
         ]
 
+    def terms(self, index: int, count: int) -> list[int]:
+        """The terms of up to `count` entries from Raft index `index` on (none when the log
+        does not hold `index`), without reading their commands."""
+        if not self._indexes or index < self._indexes[0]:
+            return []
+        first = index - self._indexes[0]
+        return self._terms[first : first + count]
+
     def _record_end(self, i: int) -> int:
         """Where entry i's record ends in its segment."""
         following = i + 1
