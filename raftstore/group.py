@@ -37,7 +37,7 @@ from raftstore import commands, limits
 from raftstore.apply import Applier
 from raftstore.batcher import Batcher
 from raftstore.health import Health
-from raftstore.replica import Replica, RoleSignal
+from raftstore.replica import ConnectionHost, Replica, RoleSignal
 from raftstore.state_machine import CommandResult, ItemResult, TableView
 from raftstore.stats import HistogramSnapshot, PublishStats
 from raftstore.tables import TableStore
@@ -243,6 +243,11 @@ class Group:
     def publish(self, item: commands.AppendItem) -> tuple[int, ItemResult]:
         """Append one batch; returns (lsn of the entry that carried it, its result)."""
         return self.publish_outcome(self.start_publish(item))
+
+    def connection_host(self) -> ConnectionHost | None:
+        """The replica's event loop, which can serve a publish-port connection of this
+        group's leader (port_loop.py); None when it has none."""
+        return self._replica.connection_host()
 
     def start_publish(self, item: commands.AppendItem) -> PendingPublish:
         """Validate one batch and hand it to group commit; `publish_outcome` waits for it."""

@@ -27,7 +27,15 @@ from hastream.errors import (
     RaftStoreError,
 )
 from raftstore import limits
-from raftstore.replica import STALLED, ApplyHooks, CommandBytes, RoleSignal, Snapshot, join_command
+from raftstore.replica import (
+    STALLED,
+    ApplyHooks,
+    CommandBytes,
+    ConnectionHost,
+    RoleSignal,
+    Snapshot,
+    join_command,
+)
 from raftstore.stats import HistogramSnapshot
 from raftstore.storage import checkpoint, group_checkpoint
 from raftstore.storage.files import REAL_FILES, Files
@@ -230,6 +238,9 @@ class LocalReplica:
         with self._condition:
             self._checkpoint_requested = True
             self._condition.notify()
+
+    def connection_host(self) -> ConnectionHost | None:
+        return None  # its loop waits on a condition, not a poll: connections keep threads
 
     def close(self) -> None:
         with self._condition:

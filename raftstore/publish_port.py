@@ -36,11 +36,14 @@ from typing import Final
 
 from hastream import publish_frames as frames
 from hastream.errors import InvalidArgument, Overloaded, RaftStoreError
-from raftstore import publish_wire
+from raftstore import port_loop, publish_wire
 from raftstore.auth import TOKEN_METADATA_KEY
 from raftstore.pipeline import StreamedPublish
+from raftstore.port_loop import LoopedConnection
+from raftstore.replica import ConnectionHost
 from raftstore.service import (
     NodeView,
+    StartedPublish,
     begin_publish,
     open_publish_stream,
     publish_acks,
@@ -50,7 +53,8 @@ from raftstore.threads import Spawn
 
 log = logging.getLogger(__name__)
 
-IDLE_TIMEOUT_S: Final = 120.0
+IDLE_TIMEOUT_S: Final = port_loop.IDLE_TIMEOUT_S
+_READ_BYTES: Final = 64 * 1024
 HELLO_TIMEOUT_S: Final = 10.0
 ACCEPT_POLL_S: Final = 0.5  # how soon the accept loop sees close()
 
@@ -77,6 +81,7 @@ class PublishPort:
         self._port = int(self._listener.getsockname()[1])
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
+        self._looped: set[socket.socket] = set()  # of those, the ones a Raft loop serves
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._answered = 0
@@ -97,8 +102,15 @@ class PublishPort:
         self._listener.close()
         with self._lock:
             connections = list(self._connections)
+            looped = set(self._looped)
         for connection in connections:
-            frames.shut(connection)
+            if connection in looped:
+                # Its loop closes it, once its poll sees it hang up: closed here, its
+                # descriptor number could be reused while the loop still polls it.
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
+            else:
+                frames.shut(connection)
 
     def status(self) -> dict[str, int]:
         """The port, its open connections and the publishes it answered (GetNodeStatus,
@@ -139,41 +151,68 @@ class PublishPort:
             ).start()
 
     def _serve(self, connection: socket.socket, peer: str) -> None:
-        try:
+        with self._connection_ends(connection, peer) as ending:
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             connection.settimeout(HELLO_TIMEOUT_S)
             if self._tls is not None:
-                connection = self._handshake(connection)
-            read = connection.makefile("rb", buffering=64 * 1024).read
-            kind, body = frames.read_frame(read, frames.HELLO_BYTES_MAX)
+                connection = ending.connection = self._handshake(connection)
+            reader = _Reader(connection)
+            kind, body = frames.read_frame(reader.read, frames.HELLO_BYTES_MAX)
             if kind != frames.HELLO or body != frames.BANNER:
                 raise frames.FrameError("the first frame is not this protocol's HELLO")
             greeting = frames.BANNER + b" " + self._node.alias.encode()
             frames.send_frame(connection, frames.HELLO, greeting)
             connection.settimeout(IDLE_TIMEOUT_S)
             while not self._closed.is_set():
-                kind, body = frames.read_frame(read, frames.FRAME_BYTES_MAX)
+                kind, body = frames.read_frame(reader.read, frames.FRAME_BYTES_MAX)
                 if kind == frames.STREAM:
                     if self._tls is not None:
                         # Its reader thread would read the TLS connection while this one
                         # writes: OpenSSL does not allow that on one connection.
                         raise frames.FrameError("no publish streams over TLS: use gRPC's")
-                    self._stream(connection, read, body)
+                    self._stream(connection, reader.read, body)
                     return  # a stream is the rest of its connection
                 if kind != frames.PUBLISH:
                     raise frames.FrameError(f"frame kind {kind} where a PUBLISH was expected")
-                self._answer(connection, body)
+                host = self._answer(connection, body)
+                if host is not None and self._hand_to_loop(connection, reader, host):
+                    ending.handed_over = True
+                    return
+
+    def _hand_to_loop(
+        self, connection: socket.socket, reader: _Reader, host: ConnectionHost
+    ) -> bool:
+        """After its first answer, a plain connection to a leader moves to the leader's
+        Raft event loop (port_loop.py), with what was read after that request."""
+        if self._tls is not None or self._closed.is_set():
+            return False
+        looped = LoopedConnection(connection, reader.leftover(), self, host)
+        with self._lock:
+            self._looped.add(connection)
+        if looped.start():
+            return True
+        with self._lock:
+            self._looped.discard(connection)
+        return False
+
+    @contextlib.contextmanager
+    def _connection_ends(self, connection: socket.socket, peer: str) -> Iterator[_Ending]:
+        """Ends a connection's thread: the error it ended with is answered or logged, and
+        the connection closed, unless the thread handed it over to a loop."""
+        ending = _Ending(connection)
+        try:
+            yield ending
         except frames.FrameError as error:
             log.info("publish port: closing a connection peer=%s reason=%s", peer, error.detail)
-            _refuse(connection, InvalidArgument("publish port frame", error.detail))
+            _refuse(ending.connection, InvalidArgument("publish port frame", error.detail))
         except (ConnectionError, TimeoutError, EOFError):
             pass  # the client left, or went quiet: its retry goes elsewhere or reconnects
         except OSError as error:
             log.debug("publish port connection ended peer=%s error=%s", peer, error)
         finally:
-            with self._lock:
-                self._connections.discard(connection)
-            frames.shut(connection)
+            if not ending.handed_over:
+                self.forget(ending.connection)
+                frames.shut(ending.connection)
 
     def _handshake(self, connection: socket.socket) -> socket.socket:
         """The TLS connection over `connection` (the handshake under the greeting's
@@ -186,31 +225,61 @@ class PublishPort:
             self._connections.add(wrapped)
         return wrapped
 
-    def _answer(self, connection: socket.socket, body: bytes) -> None:
-        """Hands one PUBLISH to group commit, waits for it and sends its answer. (Sending
-        the answer from the Raft thread that applied the entry, as gRPC's deferred Publish
-        does, measured no faster here: bench.checkouts_ab wait:1, x0.96-0.98 rows/s.)"""
-        token, request_bytes = frames.split_publish(body)
+    def _answer(self, connection: socket.socket, body: bytes | bytearray) -> ConnectionHost | None:
+        """Hands one PUBLISH to group commit, waits for it and sends its answer. Returns
+        the event loop of the group it went to when this node leads it (else None)."""
         try:
-            try:
-                request = publish_wire.parse_publish(request_bytes)
-            except publish_wire.WireError as error:
-                raise InvalidArgument("publish request", error.detail) from None
-            metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
-            started = begin_publish(self._node, request, metadata)
-        except RaftStoreError as error:
-            frames.send_frame(connection, frames.ERROR, frames.error_body(error))
-            return
-        try:
+            started = self.begin(body)
             response = started.answer()
         except RaftStoreError as error:
             frames.send_frame(connection, frames.ERROR, frames.error_body(error))
-            return
+            return None
+        self.answered()
+        frames.send_frame(connection, frames.ANSWER, response.SerializeToString())
+        return started.host
+
+    # --- port_loop.Port: for the connections a Raft loop serves (any thread) ---
+
+    def begin(self, body: bytes | bytearray) -> StartedPublish:
+        token, request_bytes = frames.split_publish(body)
+        try:
+            request = publish_wire.parse_publish(request_bytes)
+        except publish_wire.WireError as error:
+            raise InvalidArgument("publish request", error.detail) from None
+        metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
+        return begin_publish(self._node, request, metadata)
+
+    def answered(self) -> None:
         with self._lock:
             self._answered += 1
-        frames.send_frame(connection, frames.ANSWER, response.SerializeToString())
 
-    def _stream(self, connection: socket.socket, read: Callable[[int], bytes], body: bytes) -> None:
+    def serve_stream(self, connection: socket.socket, leftover: bytes, body: bytes) -> None:
+        with self._lock:
+            self._looped.discard(connection)
+        threading.Thread(
+            target=self._serve_stream,
+            args=(connection, leftover, body),
+            name="publish-conn",
+            daemon=True,
+        ).start()
+
+    def forget(self, connection: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(connection)
+            self._looped.discard(connection)
+
+    def _serve_stream(self, connection: socket.socket, leftover: bytes, body: bytes) -> None:
+        """A STREAM that came in on a connection a Raft loop served (port_loop.py)."""
+        with self._connection_ends(connection, "a looped connection"):
+            connection.settimeout(IDLE_TIMEOUT_S)
+            self._stream(connection, _Reader(connection, leftover).read, body)
+
+    def _stream(
+        self,
+        connection: socket.socket,
+        read: Callable[[int], bytes | bytearray],
+        body: bytes | bytearray,
+    ) -> None:
         """One PublishStream call on this connection (publish_frames' STREAM), served by
         raftstore/pipeline.py as gRPC's is: its reader thread takes the BATCH frames, this
         thread sends the ACKS frames, then the error that ends the stream, if one does."""
@@ -242,8 +311,64 @@ class PublishPort:
             raise garbage[0]
 
 
+class _Ending:
+    """How a connection's thread ends (`PublishPort._connection_ends`)."""
+
+    def __init__(self, connection: socket.socket) -> None:
+        self.connection = connection  # the TLS connection once the handshake replaced it
+        self.handed_over = False  # to a Raft loop: not closed by the thread
+
+
+class _Reader:
+    """Reads a connection's frames (`read(n)`: n bytes, fewer only at its end), and tells
+    what it read past the last frame taken (`leftover`), for a loop that takes over."""
+
+    def __init__(self, connection: socket.socket, leftover: bytes = b"") -> None:
+        self._connection = connection
+        self._buffer = bytearray(leftover)
+
+    def read(self, size: int) -> bytes | bytearray:
+        buffer = self._buffer
+        if len(buffer) >= size:
+            data = bytes(buffer[:size])
+            del buffer[:size]
+            return data
+        if size - len(buffer) >= _READ_BYTES:
+            return self._read_big(size)
+        while len(buffer) < size:
+            chunk = self._connection.recv(_READ_BYTES)
+            if not chunk:
+                break
+            buffer += chunk
+        data = bytes(buffer[:size])
+        del buffer[:size]
+        return data
+
+    def _read_big(self, size: int) -> bytearray:
+        """A big frame's body, received straight into its own buffer and handed over as
+        it is (its requests' payloads are views of it, publish_wire.py): no second copy."""
+        data = bytearray(size)
+        have = len(self._buffer)
+        data[:have] = self._buffer
+        self._buffer = bytearray()
+        with memoryview(data) as view:
+            while have < size:
+                count = self._connection.recv_into(view[have:])
+                if count == 0:
+                    break
+                have += count
+        if have < size:
+            del data[have:]
+        return data
+
+    def leftover(self) -> bytes:
+        data = bytes(self._buffer)
+        self._buffer = bytearray()
+        return data
+
+
 def _batches(
-    read: Callable[[int], bytes], garbage: list[frames.FrameError]
+    read: Callable[[int], bytes | bytearray], garbage: list[frames.FrameError]
 ) -> Iterator[list[StreamedPublish]]:
     """A stream's requests, one BATCH frame at a time (on the stream's reader thread).
     Ends at the client's END frame or when it leaves; a frame that is not a well-formed BATCH

@@ -95,6 +95,44 @@ def join_command(command: CommandBytes, prefix: bytes = b"") -> bytes:
     return b"".join((prefix, *command))
 
 
+class HostedConnection(Protocol):
+    """A client connection a replica's event loop serves (port_loop.LoopedConnection):
+    called on the loop's thread, with the replica's state held."""
+
+    def fileno(self) -> int: ...
+
+    def on_event(self, fd: int, event: int) -> None:
+        """The descriptor polled readable, hung up, or failed."""
+        ...
+
+    def on_tick(self) -> None:
+        """Once a second or so, for its timeouts."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ConnectionHost(Protocol):
+    """A replica's event loop, which serves client connections beside its peers' (the
+    leader's waited publishes, port_loop.py)."""
+
+    def host(self, connection: HostedConnection) -> bool:
+        """Serve `connection` from now on (any thread); False when the loop is closing."""
+        ...
+
+    def release(self, fd: int) -> None:
+        """Stop polling `fd` (the loop's thread, before the connection closes it)."""
+        ...
+
+    def call_soon(self, call: Callable[[], None]) -> None:
+        """Run `call` on the loop's thread, in its next round (any thread)."""
+        ...
+
+    def propose_now(self) -> None:
+        """Add and send the proposals queued so far, now (the loop's thread)."""
+        ...
+
+
 class Replica(Protocol):
     """What the group asks of its replica (any thread)."""
 
@@ -141,6 +179,11 @@ class Replica(Protocol):
         ...
 
     def request_checkpoint(self) -> None: ...
+
+    def connection_host(self) -> ConnectionHost | None:
+        """The event loop that can serve client connections, None when the replica has
+        none of its own to offer."""
+        ...
 
     def close(self) -> None: ...
 

@@ -73,6 +73,7 @@ transfer.py's, over the member's view `RaftReplica` gives it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -106,6 +107,8 @@ from raftstore.replica import (
     STALLED,
     ApplyHooks,
     CommandBytes,
+    ConnectionHost,
+    HostedConnection,
     ProposalCallback,
     RoleSignal,
     Snapshot,
@@ -196,6 +199,11 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         # Held by whichever thread runs pysyncobj's code: the tick thread for a whole tick
         # but the wait in its poll, or a thread proposing on the leader (_applyCommand).
         self._tick_lock = threading.Lock()
+        # Client connections this loop serves (port_loop.py), by descriptor; calls other
+        # threads asked it to run (call_soon); when it last looked at their timeouts.
+        self._hosted: dict[int, HostedConnection] = {}
+        self._soon: collections.deque[Callable[[], None]] = collections.deque()
+        self._hosted_checked_at = 0.0
         super().__init__(*args, **kwargs)
         poller = self._poller
         if not isinstance(poller, PollPoller):
@@ -222,6 +230,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         callbacks = self._poll_callbacks
         for descr, event in events:
             callbacks[descr](descr, _event_mask(event))
+        while self._soon:
+            self._run_soon(self._soon.popleft())
         if self._deferred_acks:
             # A follower's acknowledgements of what this poll read leave now, after one
             # fdatasync for all of them, not after the rest of the tick (its hooks, then the
@@ -327,7 +337,61 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         # The tick thread closes the links and the journal between two ticks: not while a
         # proposing thread sends on them.
         with self._tick_lock:
+            for connection in list(self._hosted.values()):
+                connection.close()
             super()._doDestroy()
+
+    # --- ConnectionHost (port_loop.py): client connections served by this loop ---
+
+    def host(self, connection: HostedConnection) -> bool:
+        with self._tick_lock:
+            if self._SyncObj__destroying:
+                return False
+            fd = connection.fileno()
+            self._hosted[fd] = connection
+            self._poller.subscribe(
+                fd, connection.on_event, POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.ERROR
+            )
+        self._SyncObj__pipeNotifier.notify()  # a poll under way does not watch it yet
+        return True
+
+    def release(self, fd: int) -> None:
+        self._hosted.pop(fd, None)
+        self._poller.unsubscribe(fd)
+        self._poll_callbacks.pop(fd, None)  # pysyncobj's unsubscribe keeps the callback
+
+    def call_soon(self, call: Callable[[], None]) -> None:
+        self._soon.append(call)
+        self._SyncObj__pipeNotifier.notify()
+
+    def propose_now(self) -> None:
+        # A request read by this loop: its proposal is queued (`_applyCommand` found the
+        # tick lock held, by this thread). Added and sent here rather than at the next
+        # tick's start, after this tick's rest and the next one's commit and apply
+        # checks. While entries are in flight it waits for that, as `_applyCommand` has
+        # it: concurrent publishes join one entry.
+        if self._SyncObj__raftState != _STATE_LEADER or not self._commands_queued():
+            return
+        if self._SyncObj__raftCommitIndex < self._SyncObj__getCurrentLogIndex():
+            return
+        with self._journal_failures():
+            self._checkCommandsToApply()
+
+    def _run_soon(self, call: Callable[[], None]) -> None:
+        try:
+            call()
+        except Exception:
+            group = self._replica.settings.group_id
+            log.exception("a call on the raft loop failed group=%d", group)
+
+    def _check_hosted(self) -> None:
+        """Once a second: the hosted connections' timeouts."""
+        now = time.monotonic()
+        if not self._hosted or now - self._hosted_checked_at < 1.0:
+            return
+        self._hosted_checked_at = now
+        for connection in list(self._hosted.values()):
+            connection.on_tick()
 
     def _commands_queued(self) -> bool:
         return bool(getattr(self._SyncObj__commandsQueue, pysyncobj_patches.QUEUE_ATTRIBUTE))
@@ -372,6 +436,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             self._checkpoint_forced_until = now + _CHECKPOINT_FORCE_S
             self.forceLogCompaction()
         self._hooks.on_tick()
+        self._check_hosted()
         self._replica.check_rejoined()
         self._replica.observe_leader()
         self._replica.drive_transfer()
@@ -1125,6 +1190,9 @@ class RaftReplica:
     @property
     def commit_index(self) -> int:
         return int(self._sync_obj.raftCommitIndex)
+
+    def connection_host(self) -> ConnectionHost | None:
+        return self._sync_obj
 
     def request_checkpoint(self) -> None:
         self._sync_obj.forceLogCompaction()

@@ -57,6 +57,7 @@ from raftstore.group import Group, PendingPublish
 from raftstore.log_limits import OncePerInterval
 from raftstore.peer_auth import PeerVerifier
 from raftstore.pipeline import PublishStream, StreamedPublish
+from raftstore.replica import ConnectionHost
 from raftstore.slow_consumers import SlowConsumers
 from raftstore.state_machine import ItemResult, TableView
 from raftstore.storage.segments import DataRecord
@@ -119,6 +120,8 @@ class StartedPublish:
 
     future: futures.Future[Any]
     answer: Callable[[], pb.PublishResponse]
+    # The event loop of the group it went to (Group.connection_host), for the publish port.
+    host: ConnectionHost | None = None
 
 
 def begin_publish(
@@ -141,7 +144,9 @@ def begin_publish(
     group = group_of(node, request.table, leader_only=True)
     pending = group.start_publish(item)
     return StartedPublish(
-        pending.future, functools.partial(_publish_answer, group, pending, started)
+        pending.future,
+        functools.partial(_publish_answer, group, pending, started),
+        group.connection_host(),
     )
 
 

@@ -207,7 +207,7 @@ NODE_LAYERS: dict[str, int] = {
     **dict.fromkeys(("subscriptions", "pipeline", "routing", "catalog", "scrub", "digest"), 5),
     **dict.fromkeys(("admission", "auth", "slow_consumers"), 5),
     **dict.fromkeys(("leadership", "metrics", "status_page"), 5),
-    **dict.fromkeys(("service", "status_http", "publish_port"), 6),
+    **dict.fromkeys(("service", "status_http", "publish_port", "port_loop"), 6),
     **dict.fromkeys(("node", "__main__"), 7),
 }
 CORE = {name for name, layer in NODE_LAYERS.items() if layer == 1}

@@ -282,6 +282,68 @@ def test_waited_appends_go_over_the_port_after_the_first_and_land_once_everywher
     assert_replicas_hold_exactly(cluster, "waited", list(range(500)))
 
 
+@pytest.mark.cluster
+def test_a_connection_served_by_the_raft_loop_answers_in_order_and_hands_a_stream_back(
+    cluster: LocalCluster,
+) -> None:
+    """After its first answer a connection to the leader is served by the leader's Raft
+    loop (raftstore/port_loop.py): pipelined PUBLISH frames are answered one by one in
+    order, a refused one in its place, a STREAM later on the same connection goes back to
+    a thread of its own, and the port counts the connection and its answers throughout."""
+    cluster.create_table("looped", SCHEMA)
+    leader = cluster.leader(2)
+    token = _token(cluster, "admin", ADMIN_PASSWORD)
+    connections_before = _port_status(cluster, leader)["connections"]
+    answered_before = _port_status(cluster, leader)["answered"]
+    raw = _RawPort(cluster, leader)
+    try:
+        raw.hello()
+        raw.send(
+            _publish_frame(token, pb.PublishRequest(table="looped", payload=ipc_stream(rows(0, 1))))
+        )
+        assert raw.read()[0] == frames.ANSWER  # by the connection's thread
+        # Now the loop's: three at once, the second refused (no such table).
+        raw.send(
+            _publish_frame(token, pb.PublishRequest(table="looped", payload=ipc_stream(rows(1, 2))))
+            + _publish_frame(token, pb.PublishRequest(table="nothing", payload=b""))
+            + _publish_frame(
+                token, pb.PublishRequest(table="looped", payload=ipc_stream(rows(3, 4)))
+            )
+        )
+        first = raw.read()
+        assert first[0] == frames.ANSWER, frames.parse_error(first[1])
+        assert pb.PublishResponse.FromString(first[1]).first_offset == 1
+        assert raw.error().fields()["table"] == "nothing"
+        third = raw.read()
+        assert third[0] == frames.ANSWER, frames.parse_error(third[1])
+        assert pb.PublishResponse.FromString(third[1]).first_offset == 3
+        assert _port_status(cluster, leader)["connections"] == connections_before + 1
+        assert _port_status(cluster, leader)["answered"] == answered_before + 3
+        producer = os.urandom(16)
+        requests = [
+            pb.PublishRequest(
+                table="looped", payload=ipc_stream(rows(7, 1)), producer_id=producer, sequence=1
+            ),
+            pb.PublishRequest(
+                table="looped", payload=ipc_stream(rows(8, 2)), producer_id=producer, sequence=2
+            ),
+        ]
+        raw.send(_stream_frame(token) + _batch_frame(*requests) + frames.frame(frames.END))
+        answered: list[int] = []
+        while len(answered) < 2:
+            kind, body = raw.read()
+            assert kind == frames.ACKS, frames.parse_error(body)
+            answered += [ack.sequence for ack in pb.PublishAcks.FromString(body).responses]
+        assert answered == [1, 2]
+        assert raw.closed_by_node()
+    finally:
+        raw.close()
+    wait_until(
+        lambda: _port_status(cluster, leader)["connections"] == connections_before, timeout_s=10
+    )
+    assert_replicas_hold_exactly(cluster, "looped", list(range(10)))
+
+
 def _token(cluster: LocalCluster, user: str, password: str) -> str:
     with grpc.insecure_channel(cluster.nodes["node1"].site) as channel:
         return Login(user, password).log_in(channel)
@@ -656,13 +718,17 @@ def test_no_pipelined_row_is_lost_when_the_leader_is_killed_then_frozen(
 
 # --- generated sequences of frames against a real node -----------------------------------
 
+# A connection's first PUBLISH is served by a thread of its own; the next ones by the
+# leader's Raft loop (raftstore/port_loop.py): `looped` operations publish once first.
+_LOOPED = st.booleans()
 _OPERATIONS = st.lists(
     st.one_of(
         st.tuples(st.just("publish"), st.integers(1, 50)),
+        st.tuples(st.just("pipelined"), st.lists(st.integers(1, 20), min_size=2, max_size=4)),
         st.tuples(st.just("bad_token"), st.integers(1, 5)),
-        st.tuples(st.just("garbage"), st.binary(min_size=1, max_size=64)),
-        st.tuples(st.just("cut"), st.floats(0.0, 0.99)),
-        st.tuples(st.just("stream"), st.integers(1, 6)),
+        st.tuples(st.just("garbage"), st.tuples(st.binary(min_size=1, max_size=64), _LOOPED)),
+        st.tuples(st.just("cut"), st.tuples(st.floats(0.0, 0.99), _LOOPED)),
+        st.tuples(st.just("stream"), st.tuples(st.integers(1, 6), _LOOPED)),
     ),
     min_size=1,
     max_size=12,
@@ -691,22 +757,47 @@ class _Model:
     def apply(self, operation: str, argument: Any) -> None:
         getattr(self, operation)(argument)
 
-    def publish(self, count: int) -> None:
-        self.port.send(_publish_frame(self.token, self.request(count)))
-        kind, body = self.port.read()
+    def publish(self, count: int, port: _RawPort | None = None) -> None:
+        port = port or self.port
+        port.send(_publish_frame(self.token, self.request(count)))
+        kind, body = port.read()
         assert kind == frames.ANSWER, frames.parse_error(body)
         assert pb.PublishResponse.FromString(body).row_count == count
         self._acked(count)
+
+    def pipelined(self, counts: list[int]) -> None:
+        """Several PUBLISH frames sent at once, before any answer: answered in order."""
+        data = b""
+        for count in counts:
+            data += _publish_frame(self.token, self.request(count))
+            self.next_key += count
+        self.next_key -= sum(counts)
+        self.port.send(data)
+        for count in counts:
+            kind, body = self.port.read()
+            assert kind == frames.ANSWER, frames.parse_error(body)
+            answer = pb.PublishResponse.FromString(body)
+            assert answer.row_count == count
+            assert answer.first_offset == len(self.acked)
+            self._acked(count)
+
+    def _connection(self, looped: bool) -> _RawPort:
+        """A new greeted connection; with `looped`, one publish answered on it first."""
+        raw = _RawPort(self.cluster, self.leader)
+        raw.hello()
+        if looped:
+            self.publish(1, raw)
+        return raw
 
     def bad_token(self, count: int) -> None:
         self.port.send(_publish_frame("nobody:1:1:00", self.request(count)))
         assert isinstance(self.port.error(), Unauthenticated)  # and the connection stays
 
-    def garbage(self, data: bytes) -> None:
+    def garbage(self, argument: tuple[bytes, bool]) -> None:
         """Bytes after a greeting on a connection of their own: never an answer."""
-        raw = _RawPort(self.cluster, self.leader)
+        data, looped = argument
+        raw = self._connection(looped)
         try:
-            raw.hello()
             raw.send(data)
             raw.socket.shutdown(socket.SHUT_WR)
             reply = b""
@@ -720,18 +811,18 @@ class _Model:
         finally:
             raw.close()
 
-    def cut(self, share: float) -> None:
+    def cut(self, argument: tuple[float, bool]) -> None:
         """A valid PUBLISH cut short by the client's leaving: never applied."""
+        share, looped = argument
+        raw = self._connection(looped)
         frame = _publish_frame(self.token, self.request(3))
-        raw = _RawPort(self.cluster, self.leader)
-        raw.hello()
         raw.send(frame[: int(len(frame) * share)])
         raw.close()
 
-    def stream(self, batches: int) -> None:
-        raw = _RawPort(self.cluster, self.leader)
+    def stream(self, argument: tuple[int, bool]) -> None:
+        batches, looped = argument
+        raw = self._connection(looped)
         try:
-            raw.hello()
             producer = os.urandom(16)
             requests = []
             for sequence in range(1, batches + 1):
