@@ -184,11 +184,15 @@ class PublishPort:
     ) -> bool:
         """After its first answer, a plain connection to a leader moves to the leader's
         Raft event loop (port_loop.py), with what was read after that request."""
-        if self._tls is not None or self._closed.is_set():
+        if self._tls is not None:
             return False
-        looped = LoopedConnection(connection, reader.leftover(), self, host)
         with self._lock:
+            # Under the lock `close` takes its list with: either it is closing already, or
+            # it will find this connection looped and leave the closing to the loop.
+            if self._closed.is_set():
+                return False
             self._looped.add(connection)
+        looped = LoopedConnection(connection, reader.leftover(), self, host)
         if looped.start():
             return True
         with self._lock:
