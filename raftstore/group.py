@@ -77,6 +77,17 @@ class GroupSettings:
     members: dict[str, Member]
 
 
+class WouldWait(Exception):
+    """A request this thread may not wait for (`Group.require_leader(wait=False)`): the
+    group's leader is handing over, or has not applied its term's first entry yet, and the
+    thread is the one that moves both on. Not a client's error: the caller hands the
+    request to a thread that may wait."""
+
+    def __init__(self, group_id: int) -> None:
+        super().__init__(f"group {group_id}: the leader is not ready to take it at once")
+        self.group_id = group_id
+
+
 class Group:
     def __init__(
         self,
@@ -139,20 +150,25 @@ class Group:
             leader = None  # an election is running; do not point the client back here
         return NotLeader(None if leader is None else str(leader), self.group_id)
 
-    def require_leader(self) -> None:
+    def require_leader(self, *, wait: bool = True) -> None:
         """Raise unless this node leads the group, is not handing leadership over, has
         applied everything committed, and can be trusted (not in doubt).
 
         Two short, bounded waits spare the client a retry round: while this leader hands
         leadership over, the request waits for the transfer to end and is then refused
         with the new leader's address; a new leader holds it until its first entry is
-        applied (both at most `limits.LEADER_WAIT_S`)."""
+        applied (both at most `limits.LEADER_WAIT_S`). Without `wait` (the Raft loop's
+        own thread, which drives both) it raises WouldWait instead."""
         if self._replica.transfer_target() is not None:
+            if not wait:
+                raise WouldWait(self.group_id)
             self._replica.await_transfer(limits.LEADER_WAIT_S)
             raise self.not_leader()
         if not self._replica.is_leader():
             raise self.not_leader()
         self.require_serving()
+        if not wait and not self._replica.is_leader_ready():
+            raise WouldWait(self.group_id)
         deadline = time.monotonic() + limits.LEADER_WAIT_S
         while not self._replica.is_leader_ready():  # bounded by the deadline
             if time.monotonic() >= deadline or not self._replica.is_leader():
@@ -249,10 +265,11 @@ class Group:
         group's leader (port_loop.py); None when it has none."""
         return self._replica.connection_host()
 
-    def start_publish(self, item: commands.AppendItem) -> PendingPublish:
-        """Validate one batch and hand it to group commit; `publish_outcome` waits for it."""
+    def start_publish(self, item: commands.AppendItem, *, wait: bool = True) -> PendingPublish:
+        """Validate one batch and hand it to group commit; `publish_outcome` waits for it.
+        `wait`: as `require_leader`'s."""
         started_s = time.monotonic()
-        self.require_leader()
+        self.require_leader(wait=wait)
         # No lock: validation reads only immutable table metadata (state_machine.py), and a
         # lock here would stall the apply thread behind Arrow checks.
         self.applier.machine.validate_append(item.table, item.payload)

@@ -33,12 +33,13 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final, Protocol
 
 from hastream import publish_frames as frames
 from hastream.errors import InvalidArgument, Overloaded, RaftStoreError
+from raftstore.group import WouldWait
 from raftstore.replica import ConnectionHost
 from raftstore.service import StartedPublish
 
@@ -55,8 +56,9 @@ BUFFERED_BYTES_MAX: Final = frames.FRAME_BYTES_MAX + _RECV_BYTES
 class Port(Protocol):
     """What the publish port does for a connection its loop serves (publish_port.py)."""
 
-    def begin(self, body: bytes | bytearray) -> StartedPublish:
-        """Parse a PUBLISH body and hand it to group commit; raises its typed error."""
+    def begin(self, body: bytes | bytearray, *, wait: bool = True) -> StartedPublish:
+        """Parse a PUBLISH body and hand it to group commit; raises its typed error, and
+        without `wait` WouldWait where the leader would hold it (service.begin_publish)."""
         ...
 
     def answered(self) -> None:
@@ -121,16 +123,27 @@ class LoopedConnection:
 
     def on_event(self, _fd: int, _event: int) -> None:
         """The socket is readable, or hung up, or failed: read what it holds, serve it."""
-        with self._lock:
-            if self._closed:
-                return
-            if not self._receive():
-                self.close()
-                return
-            started = self._serve_buffered()
-        if started:
-            # Added and sent to the followers now, in this tick, not after the next poll.
-            self._host.propose_now()
+        with self._guard():
+            with self._lock:
+                if self._closed:
+                    return
+                if not self._receive():
+                    self.close()
+                    return
+                started = self._serve_buffered()
+            if started:
+                # Added and sent to the followers now, in this tick, not after the next poll.
+                self._host.propose_now()
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """A bug in serving one connection ends that connection, as it would end its
+        thread, and leaves the Raft loop it runs on going."""
+        try:
+            yield
+        except Exception:
+            log.exception("publish port: a connection served by the raft loop failed")
+            self.close()
 
     def on_tick(self) -> None:
         """Closes the connection once it has been silent for IDLE_TIMEOUT_S with nothing
@@ -189,10 +202,21 @@ class LoopedConnection:
                     self._hand_back(frame.body)
                     return started
                 try:
-                    publish = self._port.begin(frame.body)
+                    publish = self._port.begin(frame.body, wait=False)
                 except RaftStoreError as error:
                     self._send(frames.ERROR, frames.error_body(error))
                     continue
+                except WouldWait:
+                    # A transfer under way, or a new term's first entry not applied: the
+                    # wait for either needs this very thread. A thread of its own waits.
+                    self._in_flight = True
+                    threading.Thread(
+                        target=self._begin_waiting,
+                        args=(frame.body,),
+                        name="publish-conn",
+                        daemon=True,
+                    ).start()
+                    return started
                 self._in_flight = started = True
                 publish.future.add_done_callback(functools.partial(self._on_done, publish))
             return started
@@ -222,6 +246,24 @@ class LoopedConnection:
         leftover, self._buffer = bytes(self._buffer), bytearray()
         self._port.serve_stream(self._connection, leftover, body)
 
+    def _begin_waiting(self, body: bytes) -> None:
+        """A publish the leader holds for a moment, on a thread of its own."""
+        try:
+            publish = self._port.begin(body)
+        except RaftStoreError as error:
+            with self._lock:
+                if not self._closed:
+                    self._send(frames.ERROR, frames.error_body(error))
+                    self._in_flight = False
+                    self._host.call_soon(self._resume)
+            return
+        except Exception:
+            # A bug, as it would be on a connection's own thread: the connection ends.
+            log.exception("publish port: a held publish failed")
+            self._shut()
+            return
+        publish.future.add_done_callback(functools.partial(self._on_done, publish))
+
     # --- the thread that completes a publish's future ---
 
     def _on_done(self, publish: StartedPublish, _future: object) -> None:
@@ -243,12 +285,13 @@ class LoopedConnection:
 
     def _resume(self) -> None:
         """Serves what waited behind an answer (host thread, tick lock)."""
-        with self._lock:
-            if self._closed:
-                return
-            started = self._serve_buffered()
-        if started:
-            self._host.propose_now()
+        with self._guard():
+            with self._lock:
+                if self._closed:
+                    return
+                started = self._serve_buffered()
+            if started:
+                self._host.propose_now()
 
     def _send(self, kind: int, body: bytes) -> bool:
         """Writes one frame without blocking. An answer is small and the client reads it

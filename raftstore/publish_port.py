@@ -244,14 +244,14 @@ class PublishPort:
 
     # --- port_loop.Port: for the connections a Raft loop serves (any thread) ---
 
-    def begin(self, body: bytes | bytearray) -> StartedPublish:
+    def begin(self, body: bytes | bytearray, *, wait: bool = True) -> StartedPublish:
         token, request_bytes = frames.split_publish(body)
         try:
             request = publish_wire.parse_publish(request_bytes)
         except publish_wire.WireError as error:
             raise InvalidArgument("publish request", error.detail) from None
         metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
-        return begin_publish(self._node, request, metadata)
+        return begin_publish(self._node, request, metadata, wait=wait)
 
     def answered(self) -> None:
         with self._lock:

@@ -125,12 +125,17 @@ class StartedPublish:
 
 
 def begin_publish(
-    node: NodeView, request: publish_wire.PublishView, metadata: Iterable[tuple[str, str | bytes]]
+    node: NodeView,
+    request: publish_wire.PublishView,
+    metadata: Iterable[tuple[str, str | bytes]],
+    *,
+    wait: bool = True,
 ) -> StartedPublish:
     """Checks a unary publish (the caller's right to write, the producer id, this node's
     leadership, the rows) and hands it to group commit. Raises the typed error of a
     refused request, with nothing queued. For gRPC's Publish and the publish port
-    (publish_port.py)."""
+    (publish_port.py). Without `wait`, raises group.WouldWait where the leader would hold
+    the request for a moment (`Group.require_leader`)."""
     node.authenticator.require("Publish", metadata, commands.Privilege.TABLE_WRITE, request.table)
     if request.producer_id and len(request.producer_id) != 16:
         raise InvalidArgument("producer_id", "must be empty or exactly 16 bytes")
@@ -142,7 +147,7 @@ def begin_publish(
     )
     started = trace.clock()
     group = group_of(node, request.table, leader_only=True)
-    pending = group.start_publish(item)
+    pending = group.start_publish(item, wait=wait)
     return StartedPublish(
         pending.future,
         functools.partial(_publish_answer, group, pending, started),

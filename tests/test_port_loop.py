@@ -14,6 +14,7 @@ import pytest
 from hastream import publish_frames as frames
 from hastream.errors import InvalidArgument, Overloaded, RaftStoreError
 from raftstore import port_loop
+from raftstore.group import WouldWait
 from raftstore.port_loop import LoopedConnection
 from raftstore.replication import RaftReplica
 from raftstore.service import StartedPublish
@@ -27,10 +28,15 @@ class _PortCalls:
     as these tests reach: no frame here gets as far as a publish."""
 
     forgotten: list[socket.socket] = field(default_factory=list)
-    begun: list[bytes] = field(default_factory=list)
+    begun: list[tuple[bytes, bool]] = field(default_factory=list)
+    leader_busy: bool = False  # as a leader that hands over: no answer without a wait
 
-    def begin(self, body: bytes | bytearray) -> StartedPublish:
-        self.begun.append(bytes(body))
+    def begin(self, body: bytes | bytearray, *, wait: bool = True) -> StartedPublish:
+        self.begun.append((bytes(body), wait))
+        if self.leader_busy and not wait:
+            raise WouldWait(2)
+        if body == b"bug":
+            raise ValueError("a bug in serving a publish")
         raise InvalidArgument("publish request", "not served in this test")
 
     def answered(self) -> None:
@@ -163,8 +169,43 @@ def test_a_refused_publish_is_answered_and_the_connection_serves_on(
     )
     for _ in range(2):
         assert isinstance(_read_error(looped.client), InvalidArgument)
-    assert looped.port.begun == [b"one", b"two"]
+    assert looped.port.begun == [(b"one", False), (b"two", False)]
     assert looped.connection.fileno() in member._sync_obj._hosted
+
+
+def test_a_publish_the_leader_would_hold_is_begun_on_a_thread_that_may_wait(
+    member: RaftReplica, looped: _Looped
+) -> None:
+    """The loop's thread drives a leadership transfer and a new term's first apply: a
+    publish that would wait for either is begun on a thread of its own, in its turn."""
+    looped.port.leader_busy = True
+    looped.client.sendall(
+        frames.frame(frames.PUBLISH, b"one") + frames.frame(frames.PUBLISH, b"two")
+    )
+    for _ in range(2):
+        assert isinstance(_read_error(looped.client), InvalidArgument)
+    assert looped.port.begun == [(b"one", False), (b"one", True), (b"two", False), (b"two", True)]
+    assert looped.connection.fileno() in member._sync_obj._hosted
+
+
+def test_a_bug_in_serving_a_publish_ends_the_connection_not_the_raft_loop(
+    member: RaftReplica, looped: _Looped
+) -> None:
+    looped.client.sendall(frames.frame(frames.PUBLISH, b"bug"))
+    assert _closed_by_node(looped.client)
+    wait_until(lambda: _released(member, looped), timeout_s=10)
+    # The member's loop goes on: it still serves a new connection.
+    server, client = socket.socketpair()
+    client.settimeout(10)
+    try:
+        host = member.connection_host()
+        assert host is not None
+        other = LoopedConnection(server, b"", looped.port, host)
+        assert other.start()
+        client.sendall(frames.frame(frames.PUBLISH, b"after"))
+        assert isinstance(_read_error(client), InvalidArgument)
+    finally:
+        client.close()
 
 
 def test_the_peer_leaving_releases_the_connection(member: RaftReplica, looped: _Looped) -> None:
