@@ -403,8 +403,7 @@ def answer_of(
 def _read_frame(connection: socket.socket, body_bytes_max: int) -> tuple[int, bytes]:
     """publish_frames.read_frame on the socket itself: no buffered reader, whose state a
     timeout would leave undefined on a pooled connection."""
-    kind, body = frames.read_frame(functools.partial(_read_exactly, connection), body_bytes_max)
-    return kind, bytes(body)  # already bytes: the same object
+    return frames.read_frame(functools.partial(_read_exactly, connection), body_bytes_max)
 
 
 def _read_exactly(connection: socket.socket, size: int) -> bytes:

@@ -106,9 +106,7 @@ def send_frame(connection: socket.socket, kind: int, *parts: bytes) -> None:
                 sent -= len(views.pop(0))
 
 
-def read_frame(
-    read: Callable[[int], bytes | bytearray], body_bytes_max: int
-) -> tuple[int, bytes | bytearray]:
+def read_frame(read: Callable[[int], bytes], body_bytes_max: int) -> tuple[int, bytes]:
     """The next frame's (kind, body). `read(n)` returns n bytes, fewer only at the end of
     the connection (a buffered reader's read). EOFError when the peer closed between
     frames; FrameError for a bad header or a frame cut off by the peer."""
@@ -131,7 +129,7 @@ def shut(connection: socket.socket) -> None:
     connection.close()
 
 
-def parse_header(data: bytes | bytearray, body_bytes_max: int) -> tuple[int, int]:
+def parse_header(data: bytes, body_bytes_max: int) -> tuple[int, int]:
     """(kind, body length) of a 5-byte header. Raises FrameError for an unknown kind or a
     body over `body_bytes_max`."""
     length, kind = HEADER.unpack(data)
@@ -155,7 +153,7 @@ def stream_body(token: str) -> bytes:
     return b"".join(publish_body(token, b""))
 
 
-def split_publish(body: bytes | bytearray) -> tuple[str, memoryview]:
+def split_publish(body: bytes) -> tuple[str, memoryview]:
     """(token, request bytes) of a PUBLISH body; the request is a view of `body`."""
     view = memoryview(body)
     if len(view) < TOKEN_LENGTH.size:

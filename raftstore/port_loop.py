@@ -56,7 +56,7 @@ BUFFERED_BYTES_MAX: Final = frames.FRAME_BYTES_MAX + _RECV_BYTES
 class Port(Protocol):
     """What the publish port does for a connection its loop serves (publish_port.py)."""
 
-    def begin(self, body: bytes | bytearray, *, wait: bool = True) -> StartedPublish:
+    def begin(self, body: bytes, *, wait: bool = True) -> StartedPublish:
         """Parse a PUBLISH body and hand it to group commit; raises its typed error, and
         without `wait` WouldWait where the leader would hold it (service.begin_publish)."""
         ...

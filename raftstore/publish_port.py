@@ -27,12 +27,13 @@ publishes only, as one connection's reads and writes would otherwise run on two 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator
-from typing import Final
+from typing import Final, cast
 
 from hastream import publish_frames as frames
 from hastream.errors import InvalidArgument, Overloaded, RaftStoreError
@@ -156,7 +157,7 @@ class PublishPort:
             connection.settimeout(HELLO_TIMEOUT_S)
             if self._tls is not None:
                 connection = ending.connection = self._handshake(connection)
-            reader = _Reader(connection)
+            reader = _buffered_reader(connection)
             kind, body = frames.read_frame(reader.read, frames.HELLO_BYTES_MAX)
             if kind != frames.HELLO or body != frames.BANNER:
                 raise frames.FrameError("the first frame is not this protocol's HELLO")
@@ -180,10 +181,10 @@ class PublishPort:
                     return
 
     def _hand_to_loop(
-        self, connection: socket.socket, reader: _Reader, host: ConnectionHost
+        self, connection: socket.socket, reader: io.BufferedReader, host: ConnectionHost
     ) -> bool:
         """After its first answer, a plain connection to a leader moves to the leader's
-        Raft event loop (port_loop.py), with what was read after that request."""
+        Raft event loop (port_loop.py), with what its reader holds past that request."""
         if self._tls is not None:
             return False
         with self._lock:
@@ -192,7 +193,12 @@ class PublishPort:
             if self._closed.is_set():
                 return False
             self._looped.add(connection)
-        looped = LoopedConnection(connection, reader.leftover(), self, host)
+        # Non-blocking, peek hands over what the reader buffered (a request sent before
+        # the answer came), or what the socket holds now, and never waits.
+        connection.setblocking(False)
+        pending = reader.peek()
+        leftover = reader.read1(len(pending)) if pending else b""
+        looped = LoopedConnection(connection, leftover, self, host)
         if looped.start():
             return True
         with self._lock:
@@ -229,7 +235,7 @@ class PublishPort:
             self._connections.add(wrapped)
         return wrapped
 
-    def _answer(self, connection: socket.socket, body: bytes | bytearray) -> ConnectionHost | None:
+    def _answer(self, connection: socket.socket, body: bytes) -> ConnectionHost | None:
         """Hands one PUBLISH to group commit, waits for it and sends its answer. Returns
         the event loop of the group it went to when this node leads it (else None)."""
         try:
@@ -244,7 +250,7 @@ class PublishPort:
 
     # --- port_loop.Port: for the connections a Raft loop serves (any thread) ---
 
-    def begin(self, body: bytes | bytearray, *, wait: bool = True) -> StartedPublish:
+    def begin(self, body: bytes, *, wait: bool = True) -> StartedPublish:
         token, request_bytes = frames.split_publish(body)
         try:
             request = publish_wire.parse_publish(request_bytes)
@@ -276,14 +282,11 @@ class PublishPort:
         """A STREAM that came in on a connection a Raft loop served (port_loop.py)."""
         with self._connection_ends(connection, "a looped connection"):
             connection.settimeout(IDLE_TIMEOUT_S)
-            self._stream(connection, _Reader(connection, leftover).read, body)
+            reader = _buffered_reader(connection)
+            read = reader.read if not leftover else _Chained(leftover, reader).read
+            self._stream(connection, read, body)
 
-    def _stream(
-        self,
-        connection: socket.socket,
-        read: Callable[[int], bytes | bytearray],
-        body: bytes | bytearray,
-    ) -> None:
+    def _stream(self, connection: socket.socket, read: Callable[[int], bytes], body: bytes) -> None:
         """One PublishStream call on this connection (publish_frames' STREAM), served by
         raftstore/pipeline.py as gRPC's is: its reader thread takes the BATCH frames, this
         thread sends the ACKS frames, then the error that ends the stream, if one does."""
@@ -323,56 +326,30 @@ class _Ending:
         self.handed_over = False  # to a Raft loop: not closed by the thread
 
 
-class _Reader:
-    """Reads a connection's frames (`read(n)`: n bytes, fewer only at its end), and tells
-    what it read past the last frame taken (`leftover`), for a loop that takes over."""
+def _buffered_reader(connection: socket.socket) -> io.BufferedReader:
+    """The connection's frames read through C's buffered reader (typeshed types a
+    makefile with a buffer size as IOBase; "rb" with one is a BufferedReader)."""
+    return cast(io.BufferedReader, connection.makefile("rb", buffering=_READ_BYTES))
 
-    def __init__(self, connection: socket.socket, leftover: bytes = b"") -> None:
-        self._connection = connection
-        self._buffer = bytearray(leftover)
 
-    def read(self, size: int) -> bytes | bytearray:
-        buffer = self._buffer
-        if len(buffer) >= size:
-            data = bytes(buffer[:size])
-            del buffer[:size]
-            return data
-        if size - len(buffer) >= _READ_BYTES:
-            return self._read_big(size)
-        while len(buffer) < size:
-            chunk = self._connection.recv(_READ_BYTES)
-            if not chunk:
-                break
-            buffer += chunk
-        data = bytes(buffer[:size])
-        del buffer[:size]
-        return data
+class _Chained:
+    """Reads `first`, then `rest`: a stream's frames after what a loop had read of them."""
 
-    def _read_big(self, size: int) -> bytearray:
-        """A big frame's body, received straight into its own buffer and handed over as
-        it is (its requests' payloads are views of it, publish_wire.py): no second copy."""
-        data = bytearray(size)
-        have = len(self._buffer)
-        data[:have] = self._buffer
-        self._buffer = bytearray()
-        with memoryview(data) as view:
-            while have < size:
-                count = self._connection.recv_into(view[have:])
-                if count == 0:
-                    break
-                have += count
-        if have < size:
-            del data[have:]
-        return data
+    def __init__(self, first: bytes, rest: io.BufferedReader) -> None:
+        self._first = first
+        self._rest = rest
 
-    def leftover(self) -> bytes:
-        data = bytes(self._buffer)
-        self._buffer = bytearray()
+    def read(self, size: int) -> bytes:
+        if not self._first:
+            return self._rest.read(size)
+        data, self._first = self._first[:size], self._first[size:]
+        if len(data) < size:
+            data += self._rest.read(size - len(data))
         return data
 
 
 def _batches(
-    read: Callable[[int], bytes | bytearray], garbage: list[frames.FrameError]
+    read: Callable[[int], bytes], garbage: list[frames.FrameError]
 ) -> Iterator[list[StreamedPublish]]:
     """A stream's requests, one BATCH frame at a time (on the stream's reader thread).
     Ends at the client's END frame or when it leaves; a frame that is not a well-formed BATCH

@@ -70,7 +70,7 @@ def parse_publish(data: bytes | memoryview) -> PublishView:
     return _request(view, 0, len(view))
 
 
-def parse_publish_batch(data: bytes | bytearray) -> list[PublishView]:
+def parse_publish_batch(data: bytes) -> list[PublishView]:
     """One serialized PublishBatch (a PublishStream message): its requests, in order."""
     view = memoryview(data)
     requests: list[PublishView] = []

@@ -31,7 +31,7 @@ class _PortCalls:
     begun: list[tuple[bytes, bool]] = field(default_factory=list)
     leader_busy: bool = False  # as a leader that hands over: no answer without a wait
 
-    def begin(self, body: bytes | bytearray, *, wait: bool = True) -> StartedPublish:
+    def begin(self, body: bytes, *, wait: bool = True) -> StartedPublish:
         self.begun.append((bytes(body), wait))
         if self.leader_busy and not wait:
             raise WouldWait(2)
