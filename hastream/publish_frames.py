@@ -153,7 +153,7 @@ def stream_body(token: str) -> bytes:
     return b"".join(publish_body(token, b""))
 
 
-def split_publish(body: bytes) -> tuple[str, memoryview]:
+def split_publish(body: bytes | bytearray) -> tuple[str, memoryview]:
     """(token, request bytes) of a PUBLISH body; the request is a view of `body`."""
     view = memoryview(body)
     if len(view) < TOKEN_LENGTH.size:

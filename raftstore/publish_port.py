@@ -250,7 +250,7 @@ class PublishPort:
 
     # --- port_loop.Port: for the connections a Raft loop serves (any thread) ---
 
-    def begin(self, body: bytes, *, wait: bool = True) -> StartedPublish:
+    def begin(self, body: bytes | bytearray, *, wait: bool = True) -> StartedPublish:
         token, request_bytes = frames.split_publish(body)
         try:
             request = publish_wire.parse_publish(request_bytes)

@@ -31,7 +31,7 @@ class _PortCalls:
     begun: list[tuple[bytes, bool]] = field(default_factory=list)
     leader_busy: bool = False  # as a leader that hands over: no answer without a wait
 
-    def begin(self, body: bytes, *, wait: bool = True) -> StartedPublish:
+    def begin(self, body: bytes | bytearray, *, wait: bool = True) -> StartedPublish:
         self.begun.append((bytes(body), wait))
         if self.leader_busy and not wait:
             raise WouldWait(2)
@@ -127,11 +127,12 @@ def test_a_half_sent_frame_counts_as_silence(member: RaftReplica, looped: _Loope
     assert looped.port.begun == []
 
 
+@pytest.mark.parametrize("declared", [5_000, 600_000])  # gathered, or received apart
 def test_unanswered_bytes_past_the_bound_are_refused(
-    member: RaftReplica, looped: _Looped, monkeypatch: pytest.MonkeyPatch
+    member: RaftReplica, looped: _Looped, monkeypatch: pytest.MonkeyPatch, declared: int
 ) -> None:
     monkeypatch.setattr(port_loop, "BUFFERED_BYTES_MAX", 1_000)
-    looped.client.sendall(frames.header(frames.PUBLISH, 5_000) + b"x" * 1_500)
+    looped.client.sendall(frames.header(frames.PUBLISH, declared) + b"x" * 1_500)
     error = _read_error(looped.client)
     assert isinstance(error, Overloaded)
     assert error.limit == 1_000
@@ -171,6 +172,30 @@ def test_a_refused_publish_is_answered_and_the_connection_serves_on(
         assert isinstance(_read_error(looped.client), InvalidArgument)
     assert looped.port.begun == [(b"one", False), (b"two", False)]
     assert looped.connection.fileno() in member._sync_obj._hosted
+
+
+def test_big_frames_are_received_whole_and_served_in_order_with_the_small_ones(
+    member: RaftReplica, looped: _Looped
+) -> None:
+    """A body past one read is received into a buffer of its own (port_loop._BigFrame);
+    frames before and after it keep their order and bytes."""
+    big = bytes(range(256)) * 2_400  # 614,400 bytes
+    data = (
+        frames.frame(frames.PUBLISH, b"before")
+        + frames.frame(frames.PUBLISH, big)
+        + frames.frame(frames.PUBLISH, b"after")
+        + frames.frame(frames.PUBLISH, big[:300_000])
+    )
+    for start in range(0, len(data), 100_000):  # in pieces, as a slow client sends
+        looped.client.sendall(data[start : start + 100_000])
+    for _ in range(4):
+        assert isinstance(_read_error(looped.client), InvalidArgument)
+    assert looped.port.begun == [
+        (b"before", False),
+        (big, False),
+        (b"after", False),
+        (big[:300_000], False),
+    ]
 
 
 def test_a_publish_the_leader_would_hold_is_begun_on_a_thread_that_may_wait(
