@@ -184,7 +184,8 @@ class PublishPort:
         self, connection: socket.socket, reader: io.BufferedReader, host: ConnectionHost
     ) -> bool:
         """After its first answer, a plain connection to a leader moves to the leader's
-        Raft event loop (port_loop.py), with what its reader holds past that request."""
+        Raft event loop (port_loop.py), with what its reader holds past that request.
+        False: it stays on this thread (TLS, or the port closing)."""
         if self._tls is not None:
             return False
         with self._lock:
@@ -203,7 +204,9 @@ class PublishPort:
             return True
         with self._lock:
             self._looped.discard(connection)
-        return False
+        # The loop is closing (its member stops): so does the connection, whose reader
+        # gave its bytes to the loop. The client resends elsewhere.
+        raise ConnectionAbortedError("the raft loop is closing")
 
     @contextlib.contextmanager
     def _connection_ends(self, connection: socket.socket, peer: str) -> Iterator[_Ending]:
