@@ -4,9 +4,11 @@ A waited one-row publish spends about a third of its CPU, and ~0.3 ms of its lat
 Python's gRPC (the client's call and the node's serving thread and worker; bench
 thread_costs). Here the same requests arrive on a plain connection, framed as
 hastream/publish_frames.py describes, and are answered on it, with one thread per
-connection:
+connection at first:
 - a unary publish (PUBLISH): checked by the same `service.begin_publish` as gRPC's
-  Publish, handed to group commit; the thread waits for its answer and writes it back;
+  Publish, handed to group commit; the thread waits for its answer and writes it back.
+  After that first answer, a plain connection to a group this node leads moves to that
+  group's Raft loop (port_loop.py), which serves its next publishes on the tick thread;
 - a pipelined stream (STREAM, then BATCH frames): served by the same
   `raftstore/pipeline.PublishStream` as gRPC's PublishStream (its reader thread takes the
   BATCH frames, this thread writes the ACKS), for the rest of the connection.
