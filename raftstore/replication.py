@@ -368,8 +368,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         # A request read by this loop: its proposal is queued (`_applyCommand` found the
         # tick lock held, by this thread). Added and sent here rather than at the next
         # tick's start, after this tick's rest and the next one's commit and apply
-        # checks. While entries are in flight it waits for that, as `_applyCommand` has
-        # it: concurrent publishes join one entry.
+        # checks. While entries are in flight the next tick adds it, as `_applyCommand`
+        # leaves it under a pipelined load.
         if self._SyncObj__raftState != _STATE_LEADER or not self._commands_queued():
             return
         if self._SyncObj__raftCommitIndex < self._SyncObj__getCurrentLogIndex():
