@@ -317,15 +317,36 @@ def test_a_connection_served_by_the_raft_loop_answers_in_order_and_hands_a_strea
         third = raw.read()
         assert third[0] == frames.ANSWER, frames.parse_error(third[1])
         assert pb.PublishResponse.FromString(third[1]).first_offset == 3
+        # A request bigger than one read (received into a buffer of its own) and a small
+        # one behind it, sent at once: answered in order.
+        raw.send(
+            _publish_frame(
+                token, pb.PublishRequest(table="looped", payload=ipc_stream(rows(7, 30_000)))
+            )
+            + _publish_frame(
+                token, pb.PublishRequest(table="looped", payload=ipc_stream(rows(30_007, 1)))
+            )
+        )
+        for first_offset, count in ((7, 30_000), (30_007, 1)):
+            kind, body = raw.read()
+            assert kind == frames.ANSWER, frames.parse_error(body)
+            answer = pb.PublishResponse.FromString(body)
+            assert (answer.first_offset, answer.row_count) == (first_offset, count)
         assert _port_status(cluster, leader)["connections"] == connections_before + 1
-        assert _port_status(cluster, leader)["answered"] == answered_before + 3
+        assert _port_status(cluster, leader)["answered"] == answered_before + 5
         producer = os.urandom(16)
         requests = [
             pb.PublishRequest(
-                table="looped", payload=ipc_stream(rows(7, 1)), producer_id=producer, sequence=1
+                table="looped",
+                payload=ipc_stream(rows(30_008, 1)),
+                producer_id=producer,
+                sequence=1,
             ),
             pb.PublishRequest(
-                table="looped", payload=ipc_stream(rows(8, 2)), producer_id=producer, sequence=2
+                table="looped",
+                payload=ipc_stream(rows(30_009, 2)),
+                producer_id=producer,
+                sequence=2,
             ),
         ]
         raw.send(_stream_frame(token) + _batch_frame(*requests) + frames.frame(frames.END))
@@ -341,7 +362,7 @@ def test_a_connection_served_by_the_raft_loop_answers_in_order_and_hands_a_strea
     wait_until(
         lambda: _port_status(cluster, leader)["connections"] == connections_before, timeout_s=10
     )
-    assert_replicas_hold_exactly(cluster, "looped", list(range(10)))
+    assert_replicas_hold_exactly(cluster, "looped", list(range(30_011)))
 
 
 def _token(cluster: LocalCluster, user: str, password: str) -> str:
