@@ -386,8 +386,10 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
 
     def _check_hosted(self) -> None:
         """Once a second: the hosted connections' timeouts."""
+        if not self._hosted:
+            return  # every follower's tick, and most leaders': no clock read
         now = time.monotonic()
-        if not self._hosted or now - self._hosted_checked_at < 1.0:
+        if now - self._hosted_checked_at < 1.0:
             return
         self._hosted_checked_at = now
         for connection in list(self._hosted.values()):
