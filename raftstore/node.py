@@ -270,6 +270,7 @@ class Node:
             election_timeout_s=self.cluster.election_timeout_s,
             checkpoint_interval_s=self.cluster.purge_interval_s,
             yield_after_ack=self._tuning.yield_after_ack,
+            kernel_syncs=self._tuning.kernel_syncs,
         )
         role = RoleSignal()
         applier = self._build_applier(group_id, settings.data_dir, peers)

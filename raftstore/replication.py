@@ -9,8 +9,9 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
    fdatasync (`sync`) that runs
    - on a follower, before it answers append_entries with success (wrapping
      `__sendNextNodeIdx`): once for every message one poll read, right after that poll;
-   - on the leader, on the journal's helper thread (`DurableJournal.sync_ahead`), started
-     as soon as it adds an entry: its tick thread sends the entry and takes the followers'
+   - on the leader, by the kernel (Linux AIO; storage/kernel_sync.py) or else on the
+     journal's helper thread (`DurableJournal.sync_ahead`), started as soon as it adds an
+     entry: its tick thread sends the entry and takes the followers'
      acknowledgements meanwhile, and the commit counts the leader only up to the index its
      fdatasyncs have covered (`commit_reach`; pysyncobj's own computation counts it always,
      and is cut back before anything is applied or sent, in `__applyLogEntries`). Two
@@ -150,7 +151,7 @@ _COMMIT_NOTICE_S: Final = 0.010
 
 # How long an idle tick thread sleeps in its poll. Everything that needs the tick sooner
 # wakes it: a message from a peer, a proposal (pysyncobj's pipe), the leader's own
-# fdatasync returning (`_wake_tick`), a heartbeat or commit notice coming due (the leader's
+# fdatasync returning (`wake`, `watch`), a heartbeat or commit notice coming due (the leader's
 # poll ends at `_next_send_at`). What is only looked at on a tick (an election deadline of
 # a second or more, a leadership transfer's next step, damage a reader reported, retention)
 # can wait this long. pysyncobj's own 10 ms woke each member's tick thread 100 times a
@@ -172,6 +173,7 @@ class RaftSettings:
     election_timeout_s: float
     checkpoint_interval_s: float
     yield_after_ack: bool = True  # tuning.py: see _sync_and_acknowledge
+    kernel_syncs: bool = True  # tuning.py: the journal's `sync_ahead`
 
 
 # --- the replica ---------------------------------------------------------------------------
@@ -204,6 +206,9 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._hosted: dict[int, HostedConnection] = {}
         self._soon: collections.deque[Callable[[], None]] = collections.deque()
         self._hosted_checked_at = 0.0
+        # The journal's eventfd the tick's poll watches (`watch`), and the thread that ticks.
+        self._sync_watched: int | None = None
+        self._tick_thread_id: int | None = None
         super().__init__(*args, **kwargs)
         poller = self._poller
         if not isinstance(poller, PollPoller):
@@ -212,6 +217,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._poll_object: select.poll = poll_object
         self._poll_callbacks: dict[int, Callable[[int, int], None]] = callbacks
         poller.poll = self._poll_until_next_send
+        if not replica.settings.kernel_syncs:
+            self._journal.use_helper_thread()
 
     def _poll_until_next_send(self, timeout: float) -> None:
         """PollPoller.poll, except that the wait lets go of the tick lock (so a proposing
@@ -250,7 +257,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         """A follower: fdatasync the journal once, then send every acknowledgement it made
         true. The leader: have its fdatasync run without waiting for it (`commit_reach`)."""
         if self._SyncObj__raftState == _STATE_LEADER and not self._deferred_acks:
-            took = self._journal.sync_ahead(self._wake_tick)
+            took = self._journal.sync_ahead(self)
             if took is not None:
                 self._replica.fsync_latency.observe(took)
             return
@@ -277,10 +284,38 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         adapter: pysyncobj_patches.PysyncobjJournal = self._SyncObj__raftLog
         return adapter.durable
 
-    def _wake_tick(self) -> None:
-        """Wake the tick thread from its poll (the journal's helper thread, when the
-        leader's fdatasync returned: the commit may count it now)."""
+    # --- SyncWaker (journal.py): the leader's commit waits for its own fdatasync ---
+
+    def wake(self) -> None:
+        """The journal's helper thread: the leader's fdatasync returned, and the commit may
+        count it now: wake the tick thread from its poll."""
         self._SyncObj__pipeNotifier.notify()
+
+    def watch(self, fd: int) -> None:
+        """The kernel's fdatasync (the journal's eventfd): the tick's poll watches it until
+        it turns readable once, so the commit is computed again as soon as it returned.
+        Watched only while the commit waits for it: polled always, it would wake the tick
+        thread after most entries for nothing (the followers' acknowledgements come
+        later)."""
+        if self._sync_watched == fd:
+            return
+        self._sync_watched = fd
+        self._poller.subscribe(fd, self._on_sync_returned, POLL_EVENT_TYPE.READ)
+        if threading.get_ident() != self._tick_thread_id:
+            # A proposing thread (the tick thread waits in its poll, which does not watch
+            # the eventfd yet): wake it, its next poll does.
+            self._SyncObj__pipeNotifier.notify()
+
+    def _on_sync_returned(self, descr: int, event: int) -> None:
+        # The next tick's commit computation takes the fdatasync's result (the journal
+        # reads the eventfd then); only the watch ends here.
+        self._unwatch_sync()
+
+    def _unwatch_sync(self) -> None:
+        fd, self._sync_watched = self._sync_watched, None
+        if fd is not None:
+            self._poller.unsubscribe(fd)
+            self._poll_callbacks.pop(fd, None)  # pysyncobj's unsubscribe keeps the callback
 
     def _sync_after_add(self) -> None:
         # A failed fdatasync surfaces from the tick's own sync right after pysyncobj's loop
@@ -339,6 +374,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         with self._tick_lock:
             for connection in list(self._hosted.values()):
                 connection.close()
+            self._unwatch_sync()  # the journal closes its eventfd
             super()._doDestroy()
 
     # --- ConnectionHost (port_loop.py): client connections served by this loop ---
@@ -416,6 +452,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
 
     def _onTick(self, timeToWait: float = 0.0) -> None:
         with self._tick_lock:
+            self._tick_thread_id = threading.get_ident()
             self._tick(timeToWait)
 
     def _tick(self, timeToWait: float) -> None:

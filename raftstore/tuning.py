@@ -5,6 +5,7 @@ variable HASTREAM_TUNING before the node starts, e.g.
 
     HASTREAM_TUNING=proposals_in_flight=1,switch_interval_ms=0.5,trace_file=/tmp/<ALIAS>.json
     HASTREAM_TUNING=yield_after_ack=off
+    HASTREAM_TUNING=kernel_syncs=off
 
 Operators have no reason to set it: every default is the product's choice. A knob may only
 lower a bound the node was sized for (fewer entries in flight, never more), so no setting
@@ -42,6 +43,9 @@ class Tuning:
     # A follower gives up its CPU (sched_yield) right after sending its acknowledgements,
     # before it applies (replication.py). "off" measures the product without it.
     yield_after_ack: bool = True
+    # The leader's own fdatasyncs run by the kernel (Linux AIO, storage/kernel_sync.py)
+    # where it can. "off" measures the journal's helper thread instead.
+    kernel_syncs: bool = True
 
 
 DEFAULT: Final = Tuning()
@@ -84,11 +88,15 @@ def parse(text: str, alias: str) -> Tuning:
     yield_after_ack = DEFAULT.yield_after_ack
     if "yield_after_ack" in values:
         yield_after_ack = _switch("yield_after_ack", values["yield_after_ack"])
+    kernel_syncs = DEFAULT.kernel_syncs
+    if "kernel_syncs" in values:
+        kernel_syncs = _switch("kernel_syncs", values["kernel_syncs"])
     return Tuning(
         proposals_in_flight=in_flight,
         switch_interval_ms=switch_ms,
         trace_file=trace_file,
         yield_after_ack=yield_after_ack,
+        kernel_syncs=kernel_syncs,
     )
 
 
@@ -103,6 +111,8 @@ def render(tuning: Tuning) -> str:
         parts.append(f"trace_file={tuning.trace_file}")
     if tuning.yield_after_ack != DEFAULT.yield_after_ack:
         parts.append(f"yield_after_ack={'on' if tuning.yield_after_ack else 'off'}")
+    if tuning.kernel_syncs != DEFAULT.kernel_syncs:
+        parts.append(f"kernel_syncs={'on' if tuning.kernel_syncs else 'off'}")
     return ",".join(parts)
 
 

@@ -632,9 +632,24 @@ class _GatedSyncs(RealFiles):
         self.permits.release()
 
 
-def _woken() -> tuple[threading.Event, Callable[[], None]]:
-    woken = threading.Event()
-    return woken, woken.set
+class _Waker:
+    """What the Raft loop gives `sync_ahead` (replication.py): `wake` is called on the
+    helper thread; `watch` (the kernel's fdatasyncs) gets an eventfd to poll."""
+
+    def __init__(self) -> None:
+        self.woken = threading.Event()
+        self.watched: list[int] = []
+
+    def wake(self) -> None:
+        self.woken.set()
+
+    def watch(self, fd: int) -> None:
+        self.watched.append(fd)
+
+
+def _woken() -> tuple[threading.Event, _Waker]:
+    waker = _Waker()
+    return waker.woken, waker
 
 
 def _gated_with_three_entries(directory: Path) -> tuple[_GatedSyncs, DurableJournal]:
@@ -757,7 +772,7 @@ def test_what_sync_ahead_made_durable_survives_a_power_loss() -> None:
 
 
 def test_close_ends_the_helper_thread(tmp_path: Path) -> None:
-    journal = DurableJournal(tmp_path)
+    journal = DurableJournal(tmp_path, kernel_syncs=False)
     journal.append(b"one", 1, 1)
     journal.sync_ahead()
     helper = journal._ahead_thread
@@ -775,6 +790,7 @@ def test_the_helper_wakes_the_caller_only_when_asked(tmp_path: Path) -> None:
     files.allow()
     running = journal._ahead
     assert running is not None
+    assert running.done is not None
     # Wait for the helper's own "returned" signal (the lock it releases after the fdatasync).
     assert running.done.acquire(timeout=30), "the fdatasync never returned"
     running.done.release()

@@ -18,20 +18,22 @@ def test_unset_is_the_products_defaults() -> None:
     assert tuning.DEFAULT.switch_interval_ms is None
     assert tuning.DEFAULT.trace_file is None
     assert tuning.DEFAULT.yield_after_ack is True
+    assert tuning.DEFAULT.kernel_syncs is True
 
 
 def test_every_knob_is_read_and_the_alias_substituted() -> None:
     text = (
         " proposals_in_flight=2, switch_interval_ms=0.5 ,trace_file=/tmp/<ALIAS>-trace.json,"
-        "yield_after_ack=off"
+        "yield_after_ack=off, kernel_syncs=off"
     )
     assert tuning.from_environment({"HASTREAM_TUNING": text}, "node7") == tuning.Tuning(
         proposals_in_flight=2,
         switch_interval_ms=0.5,
         trace_file=Path("/tmp/node7-trace.json"),
         yield_after_ack=False,
+        kernel_syncs=False,
     )
-    assert tuning.parse("yield_after_ack=on", "n") == tuning.DEFAULT
+    assert tuning.parse("yield_after_ack=on,kernel_syncs=on", "n") == tuning.DEFAULT
 
 
 @pytest.mark.parametrize(
@@ -44,6 +46,7 @@ def test_every_knob_is_read_and_the_alias_substituted() -> None:
         ("switch_interval_ms=fast", "switch_interval_ms", "not a number"),
         ("yield_after_ack=no", "yield_after_ack", "must be on or off"),
         ("yield_after_ack=", "yield_after_ack", "must be on or off"),
+        ("kernel_syncs=aio", "kernel_syncs", "must be on or off"),
         ("peer_auth=off", "peer_auth", "unknown knob"),
         ("proposals_in_flight", "proposals_in_flight", "expected key=value"),
         ("proposals_in_flight=1,proposals_in_flight=2", "proposals_in_flight", "given twice"),
@@ -69,14 +72,20 @@ def test_no_knob_raises_a_bound_limits_py_sized_memory_by() -> None:
     switch=st.none() | st.sampled_from([0.05, 0.5, 1.0, 2.5, 100.0]),
     trace=st.none() | st.sampled_from(["/tmp/a.json", "/var/tmp/x/trace.json"]),
     yield_after_ack=st.booleans(),
+    kernel_syncs=st.booleans(),
 )
 def test_render_reads_back(
-    in_flight: int, switch: float | None, trace: str | None, yield_after_ack: bool
+    in_flight: int,
+    switch: float | None,
+    trace: str | None,
+    yield_after_ack: bool,
+    kernel_syncs: bool,
 ) -> None:
     knobs = tuning.Tuning(
         proposals_in_flight=in_flight,
         switch_interval_ms=switch,
         trace_file=None if trace is None else Path(trace),
         yield_after_ack=yield_after_ack,
+        kernel_syncs=kernel_syncs,
     )
     assert tuning.parse(tuning.render(knobs), "n") == knobs

@@ -72,10 +72,9 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from hastream.checksum import crc32
 from hastream.errors import CorruptionError
@@ -92,6 +91,7 @@ from raftstore.storage.files import (
     read_all,
     write_all_at,
 )
+from raftstore.storage.kernel_sync import KernelSync, open_kernel_sync
 
 log = logging.getLogger(__name__)
 
@@ -167,36 +167,47 @@ class _Segment:
     dropped: int = 0  # the page cache was told to forget [0, dropped) (_drop_behind)
 
 
+class SyncWaker(Protocol):
+    """How the journal's owner hears that an fdatasync `sync_ahead` started has returned,
+    once `want_wake` asked for it."""
+
+    def wake(self) -> None:
+        """Called on the journal's helper thread right after the fdatasync returned."""
+
+    def watch(self, fd: int) -> None:
+        """Called on the journal's own thread: poll `fd`, which turns readable once the
+        kernel's fdatasync has returned (kernel_sync.py), and run the journal's owner then."""
+
+
 @dataclass(eq=False)
 class _SyncAhead:
-    """An fdatasync of the newest segment running on the journal's helper thread
-    (`DurableJournal.sync_ahead`)."""
+    """An fdatasync of the newest segment `DurableJournal.sync_ahead` started: run by the
+    kernel (`done` None: kernel_sync.py) or on the journal's helper thread."""
 
     segment: _Segment
     count: int  # the entries written when it started: it covers the first `count`
     end: int  # the segment's end then
     started: float
-    done: threading.Lock  # held until the fdatasync returned
-    wake: Callable[[], None] | None  # called once it returned, if `wake_wanted` by then
+    done: threading.Lock | None  # the helper thread's: held until the fdatasync returned
+    waker: SyncWaker | None  # told once it returned, if `wake_wanted` by then
     wake_wanted: bool = False
+    returned: bool = False  # the kernel's fdatasync returned (its result taken)
+    # When it returned: the helper thread's clock right after; for the kernel's, when the
+    # journal saw it had (a poll or a wait), a little later.
     finished_at: float = 0.0
     error: OSError | None = None
 
-    @property
-    def finished(self) -> bool:
-        return not self.done.locked()
-
 
 def _call_wake(ahead: _SyncAhead) -> None:
-    if ahead.wake is not None:
+    if ahead.waker is not None:
         with contextlib.suppress(OSError):  # a full wake-up pipe is awake already
-            ahead.wake()
+            ahead.waker.wake()
 
 
 class DurableJournal:
     """The Raft log of one group on one node. Used by one thread at a time: pysyncobj's tick
     thread, or a leader's proposing thread holding the member's tick lock (replication.py);
-    but for the fdatasync `sync_ahead` hands to its own helper thread.
+    but for the fdatasync `sync_ahead` hands to the kernel or to its own helper thread.
 
     Environment errors (a full disk, EIO) fail cleanly: a write method that raises OSError
     leaves the files and the entries in memory as they were before the call (a partial
@@ -215,6 +226,7 @@ class DurableJournal:
         resident_bytes_max: int = limits.RAFT_LOG_RESIDENT_BYTES,
         segment_bytes_max: int = limits.RAFT_JOURNAL_SEGMENT_BYTES,
         extend_bytes: int = limits.RAFT_JOURNAL_EXTEND_BYTES,
+        kernel_syncs: bool = True,
     ) -> None:
         self._files = files
         self._resident_bytes_max = resident_bytes_max
@@ -249,6 +261,10 @@ class DurableJournal:
         self._ahead: _SyncAhead | None = None
         self._ahead_requests: queue.SimpleQueue[_SyncAhead | None] | None = None
         self._ahead_thread: threading.Thread | None = None
+        # `sync_ahead`'s fdatasyncs run by the kernel (kernel_sync.py), opened at the first;
+        # only for the real files (a test's files intercept fdatasync in Python).
+        self._kernel_syncs = kernel_syncs and files is REAL_FILES
+        self._kernel: KernelSync | None = None
         try:
             self._open_and_recover()
         except BaseException:
@@ -742,10 +758,10 @@ class DurableJournal:
         if self._dirty:
             self._sync_newest()
 
-    def sync_ahead(self, wake: Callable[[], None] | None = None) -> float | None:
-        """Make what is written durable without waiting: start an fdatasync on the
-        journal's helper thread, which calls `wake()` once it returned if `want_wake` asked
-        for it, and return at once.
+    def sync_ahead(self, waker: SyncWaker | None = None) -> float | None:
+        """Make what is written durable without waiting: start an fdatasync and return at
+        once. The kernel runs it (kernel_sync.py) where it can, else the journal's helper
+        thread; either way `waker` hears when it returned if `want_wake` asked for it.
         At most one runs: while it does, this does nothing; once it has returned, this
         takes what it made durable (`durable_index`) and starts the next one if entries
         were written since. Returns the seconds of an fdatasync it took (for the latency
@@ -759,12 +775,29 @@ class DurableJournal:
         took: float | None = None
         ahead = self._ahead
         if ahead is not None:
-            if not ahead.finished:
+            if not self._returned(ahead):
                 return None
             took = ahead.finished_at - ahead.started
             self._settle_ahead()
         if not self._dirty:
             return took
+        self._ahead = self._start_ahead(self._segments[-1], waker)
+        return took
+
+    def _start_ahead(self, segment: _Segment, waker: SyncWaker | None) -> _SyncAhead:
+        kernel = self._kernel_sync()
+        if kernel is not None:
+            try:
+                kernel.submit(segment.fd)
+            except OSError as error:
+                # Refused before it started (a kernel before 4.18, a file system without
+                # it): nothing of the file's state was consumed; the thread takes over.
+                log.warning("kernel fdatasync refused, using a helper thread: %s", error)
+                self._kernel_syncs = False
+                self._close_kernel()
+            else:
+                count, started = len(self._indexes), trace.clock()
+                return _SyncAhead(segment, count, segment.end, started, None, waker)
         if self._ahead_requests is None:
             self._ahead_requests = queue.SimpleQueue()
             self._ahead_thread = threading.Thread(
@@ -774,21 +807,47 @@ class DurableJournal:
                 daemon=True,
             )
             self._ahead_thread.start()
-        segment = self._segments[-1]
         done = threading.Lock()
         done.acquire()
-        self._ahead = _SyncAhead(
-            segment, len(self._indexes), segment.end, trace.clock(), done, wake
-        )
-        self._ahead_requests.put(self._ahead)
-        return took
+        ahead = _SyncAhead(segment, len(self._indexes), segment.end, trace.clock(), done, waker)
+        self._ahead_requests.put(ahead)
+        return ahead
+
+    def _kernel_sync(self) -> KernelSync | None:
+        if self._kernel is None and self._kernel_syncs:
+            self._kernel = open_kernel_sync()
+            if self._kernel is None:
+                log.warning("kernel fdatasync unavailable here, using a helper thread")
+                self._kernel_syncs = False
+        return self._kernel
+
+    def _close_kernel(self) -> None:
+        kernel, self._kernel = self._kernel, None
+        if kernel is not None:
+            with contextlib.suppress(OSError):
+                kernel.close()
+
+    def _returned(self, ahead: _SyncAhead) -> bool:
+        """Whether the fdatasync `ahead` started has returned (a kernel's: one look at its
+        eventfd, and its result taken if so)."""
+        if ahead.done is not None:
+            return not ahead.done.locked()
+        if not ahead.returned:
+            assert self._kernel is not None
+            try:
+                ahead.returned = self._kernel.poll()
+            except OSError as error:
+                ahead.error, ahead.returned = error, True
+            if ahead.returned:
+                ahead.finished_at = trace.clock()
+        return ahead.returned
 
     @property
     def durable_index(self) -> int:
         """The index of the last entry an fdatasync has covered, counting one `sync_ahead`
         started that has returned without an error but is not taken yet."""
         ahead = self._ahead
-        if ahead is not None and ahead.count and ahead.finished and ahead.error is None:
+        if ahead is not None and ahead.count and self._returned(ahead) and ahead.error is None:
             return max(self._synced_index, self._indexes[ahead.count - 1])
         return self._synced_index
 
@@ -800,21 +859,29 @@ class DurableJournal:
             except OSError as error:
                 ahead.error = error
             ahead.finished_at = trace.clock()
+            assert ahead.done is not None
             ahead.done.release()
             if ahead.wake_wanted:  # read after the release: see want_wake
                 _call_wake(ahead)
 
     def want_wake(self) -> None:
-        """Ask the running fdatasync (if any) to call its `wake` when it returns: the caller
-        waits for it (the leader's commit). Without this it returns silently, and the tick
-        thread, woken by the followers' acknowledgements anyway, is not woken once more per
-        entry. Set before the finish is checked, and read by the helper after it released:
-        if both see the other's step, `wake` runs twice (harmless), never zero times."""
+        """Ask to hear when the running fdatasync (if any) returns: the caller waits for it
+        (the leader's commit). Without this it returns silently, and the tick thread, woken
+        by the followers' acknowledgements anyway, is not woken once more per entry.
+        The kernel's: the waker watches its eventfd (readable already if it has returned).
+        The helper thread's: `wake_wanted` is set before the finish is checked, and read by
+        the helper after it released: if both see the other's step, `wake` runs twice
+        (harmless), never zero times."""
         ahead = self._ahead
         if ahead is None:
             return
+        if ahead.done is None:
+            if not ahead.returned and ahead.waker is not None:
+                assert self._kernel is not None
+                ahead.waker.watch(self._kernel.fileno())
+            return
         ahead.wake_wanted = True
-        if ahead.finished:
+        if not ahead.done.locked():
             _call_wake(ahead)
 
     def _settle_ahead(self) -> None:
@@ -824,7 +891,15 @@ class DurableJournal:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
-        ahead.done.acquire()
+        if ahead.done is not None:
+            ahead.done.acquire()
+        elif not ahead.returned:
+            assert self._kernel is not None
+            try:
+                self._kernel.wait()
+            except OSError as error:
+                ahead.error = error
+            ahead.returned, ahead.finished_at = True, trace.clock()
         if ahead.error is not None:
             self._sync_failed(ahead.segment, ahead.error)
         # The entries it started with are all still here: anything that removes entries or
@@ -837,15 +912,29 @@ class DurableJournal:
             self._drop_behind(ahead.segment)
 
     def _stop_ahead(self) -> None:
-        """End the helper thread (close): the fdatasync it may run is waited for."""
-        if self._ahead_requests is None:
-            return
+        """End the helper thread and the kernel's context (close): the fdatasync either may
+        run is waited for."""
         with contextlib.suppress(OSError, CorruptionError):
             self._settle_ahead()
+        self._close_kernel()
+        if self._ahead_requests is None:
+            return
         self._ahead_requests.put(None)
         if self._ahead_thread is not None:
             self._ahead_thread.join(timeout=5)
         self._ahead_requests = self._ahead_thread = None
+
+    def use_helper_thread(self) -> None:
+        """`sync_ahead`'s fdatasyncs on the helper thread even where the kernel could run
+        them (a measurement knob: tuning.py). Before the first `sync_ahead`."""
+        assert self._ahead is None
+        self._kernel_syncs = False
+        self._close_kernel()
+
+    @property
+    def sync_fd(self) -> int | None:
+        """The eventfd the kernel's fdatasyncs report on (kernel_sync.py), if they run."""
+        return None if self._kernel is None else self._kernel.fileno()
 
     def _sync_newest(self) -> None:
         """fdatasync the segment records go to (every other one was synced when it was
