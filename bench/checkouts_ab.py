@@ -69,6 +69,9 @@ class Cell:
     node_switches_per_append: float = 0.0  # set by run(): the nodes' context switches
     elections: int = 0  # set by run(): how far the HA group's term moved during the cell
     steal: float = 0.0  # set by run(): the machine's CPU time stolen by the hypervisor
+    # set by run(): the machine's busy CPU over `rows`: the nodes, this client and the
+    # kernel's threads (a kworker's fdatasync), which the nodes' CPU does not count
+    machine_cpu_ms_per_10k: float = 0.0
 
 
 def publish(
@@ -183,14 +186,23 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
                     node_switches_per_append=(common.context_switches(pids) - switches)
                     / (cell.rows / shape.rows),
                     elections=common.ha_term(clusters[arm]) - term,
-                    steal=common.CpuTimes.now().steal_share_since(machine),
+                )
+                machine_after = common.CpuTimes.now()
+                cell = replace(
+                    cell,
+                    steal=machine_after.steal_share_since(machine),
+                    machine_cpu_ms_per_10k=machine_after.busy_seconds_since(machine)
+                    * 1000
+                    / cell.rows
+                    * 10_000,
                 )
                 cells[arm].append(cell)
                 latency = "" if cell.p50_ms is None else f", p50 {cell.p50_ms:.2f} ms"
                 elections = f", {cell.elections} election(s)" if cell.elections else ""
                 print(
                     f"round {number} {arm}: {cell.rows_per_s:,.0f} rows/s{latency}, "
-                    f"node CPU {cell.node_cpu_ms_per_10k:,.1f} ms per 10k rows, "
+                    f"node CPU {cell.node_cpu_ms_per_10k:,.1f} ms per 10k rows "
+                    f"(machine {cell.machine_cpu_ms_per_10k:,.1f}), "
                     f"{cell.node_switches_per_append:.1f} node context switches per append, "
                     f"steal {cell.steal:.0%}{elections}",
                     flush=True,
@@ -217,17 +229,22 @@ def run(checkouts: dict[str, Path], shape: Shape, rounds: int, seconds: float, c
         arm: statistics.median(c.node_switches_per_append for c in runs)
         for arm, runs in cells.items()
     }
+    machine = {
+        arm: statistics.median(c.machine_cpu_ms_per_10k for c in runs)
+        for arm, runs in cells.items()
+    }
     for arm, repo in checkouts.items():
         p50s = [c.p50_ms for c in cells[arm] if c.p50_ms is not None]
         latency = f", p50 {statistics.median(p50s):.2f} ms" if p50s else ""
         print(
             f"{arm} ({repo}): median {medians[arm]:,.0f} rows/s{latency}, "
-            f"node CPU {cpu[arm]:,.1f} ms per 10k rows, "
+            f"node CPU {cpu[arm]:,.1f} ms per 10k rows (machine {machine[arm]:,.1f}), "
             f"{switches[arm]:.1f} node context switches per append"
         )
     print(
         f"B/A: rows/s x{medians['B'] / medians['A']:.2f}, node CPU per row "
-        f"x{cpu['B'] / cpu['A']:.2f}, context switches per append "
+        f"x{cpu['B'] / cpu['A']:.2f} (machine x{machine['B'] / machine['A']:.2f}), "
+        f"context switches per append "
         f"x{switches['B'] / switches['A']:.2f} (load average {common.load_average():.1f})"
     )
     print(paired_summary(cells["A"], cells["B"]))
@@ -245,6 +262,13 @@ def paired_summary(a: list[Cell], b: list[Cell]) -> str:
         y.node_cpu_ms_per_10k / x.node_cpu_ms_per_10k for x, y in pairs if x.node_cpu_ms_per_10k
     ]
     cpu = f", node CPU per row x{statistics.median(cpu_ratios):.2f}" if cpu_ratios else ""
+    machine_ratios = [
+        y.machine_cpu_ms_per_10k / x.machine_cpu_ms_per_10k
+        for x, y in pairs
+        if x.machine_cpu_ms_per_10k
+    ]
+    if machine_ratios:
+        cpu += f" (machine x{statistics.median(machine_ratios):.2f})"
     steal = [cell.steal for cell in a + b]
     return (
         f"B/A round by round (median of the {len(pairs)} pairs): rows/s x{rows:.2f}{cpu};"

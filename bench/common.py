@@ -118,6 +118,9 @@ def _stat_cpu_seconds(text: str) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
+_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
+
+
 @dataclass(frozen=True)
 class CpuTimes:
     """The machine's CPU time so far, in clock ticks (/proc/stat's first line): all of it,
@@ -126,6 +129,7 @@ class CpuTimes:
 
     total: int
     steal: int
+    idle: int = 0  # idle and iowait: the CPUs had nothing to run
 
     @staticmethod
     def now() -> CpuTimes:
@@ -138,12 +142,18 @@ class CpuTimes:
         (guest time is counted in user already: not added twice)."""
         values = [int(value) for value in line.split()[1:]]
         steal = values[7] if len(values) > 7 else 0
-        return CpuTimes(total=sum(values[:8]), steal=steal)
+        return CpuTimes(total=sum(values[:8]), steal=steal, idle=sum(values[3:5]))
 
     def steal_share_since(self, before: CpuTimes) -> float:
         """The share of the machine's CPU time stolen between `before` and this."""
         total = self.total - before.total
         return (self.steal - before.steal) / total if total > 0 else 0.0
+
+    def busy_seconds_since(self, before: CpuTimes) -> float:
+        """The CPU time the machine ran anything between `before` and this: every process
+        and the kernel's own threads (kworkers, interrupts), which a process's CPU misses."""
+        ticks = (self.total - before.total) - (self.idle - before.idle)
+        return (ticks - (self.steal - before.steal)) / _CLOCK_TICKS
 
 
 _SWITCH_KEYS: Final = frozenset(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))

@@ -48,7 +48,7 @@ import socket
 import struct
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -363,14 +363,9 @@ class PysyncobjJournal:
 
     def __init__(self, durable: DurableJournal) -> None:
         self.durable = durable
-        # Set by the leader while it adds and sends new entries (replication.py): called
-        # after each add, it starts the journal's fdatasync before the entry is sent.
-        self.after_add: Callable[[], None] | None = None
 
     def add(self, command: bytes, idx: int, term: int) -> None:
         self.durable.append(command, idx, term)
-        if self.after_add is not None:
-            self.after_add()
 
     def clear(self) -> None:
         self.durable.truncate_from(0)

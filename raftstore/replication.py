@@ -10,8 +10,8 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
    - on a follower, before it answers append_entries with success (wrapping
      `__sendNextNodeIdx`): once for every message one poll read, right after that poll;
    - on the leader, by the kernel (Linux AIO; storage/kernel_sync.py) or else on the
-     journal's helper thread (`DurableJournal.sync_ahead`), started as soon as it adds an
-     entry: its tick thread sends the entry and takes the followers'
+     journal's helper thread (`DurableJournal.sync_ahead`), started as soon as it has
+     added and sent new entries: its tick thread sends the entry and takes the followers'
      acknowledgements meanwhile, and the commit counts the leader only up to the index its
      fdatasyncs have covered (`commit_reach`; pysyncobj's own computation counts it always,
      and is cut back before anything is applied or sent, in `__applyLogEntries`). Two
@@ -439,15 +439,13 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         return any(connection.getSendBufferSize() for connection in connections.values())
 
     def _checkCommandsToApply(self) -> None:
-        # The leader adds each new entry and sends it at once (appendEntriesUseBatch=False):
-        # its fdatasync starts right after the add, before the sends.
-        adapter: pysyncobj_patches.PysyncobjJournal = self._SyncObj__raftLog
-        if self._SyncObj__raftState == _STATE_LEADER:
-            adapter.after_add = self._sync_after_add
-        try:
-            super()._checkCommandsToApply()
-        finally:
-            adapter.after_add = None
+        # The leader adds each new entry and sends it at once (appendEntriesUseBatch=False);
+        # its own fdatasync starts after the sends. Started between the add and the sends,
+        # the kernel's worker (or the journal's helper thread) took the CPU from the sends
+        # on this 2-core machine: an entry reached its followers 0.09 ms after its add
+        # instead of 0.15, and the add -> commit went from 0.96 to 0.90 ms (x1.02 rows/s one
+        # row waited, x1.03 at 1,000; docs/benchmark.md, twenty-third session).
+        super()._checkCommandsToApply()
         self._sync_and_acknowledge()
 
     def _onTick(self, timeToWait: float = 0.0) -> None:

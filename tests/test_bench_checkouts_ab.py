@@ -3,6 +3,7 @@ checkout twice), a cell on each in turn, and the medians and their ratio printed
 
 from __future__ import annotations
 
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -68,4 +69,7 @@ def test_steal_is_read_from_the_first_line_of_proc_stat() -> None:
     assert (before.total, before.steal) == (1000, 35)
     assert after.steal_share_since(before) == pytest.approx(25 / 135)
     assert after.steal_share_since(after) == 0.0
+    # busy: 135 ticks, less 50 idle and iowait, less 25 stolen
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert after.busy_seconds_since(before) == pytest.approx(60 / ticks)
     assert common.CpuTimes.now().total > 0

@@ -199,7 +199,7 @@ NODE_LAYERS: dict[str, int] = {
     **dict.fromkeys(
         ("storage/files", "storage/checkpoint", "storage/journal", "storage/segments"), 2
     ),
-    **dict.fromkeys(("storage/raft_checkpoint",), 2),
+    **dict.fromkeys(("storage/raft_checkpoint", "storage/kernel_sync"), 2),
     **dict.fromkeys(("tables", "replica", "retention", "batcher", "peers", "catch_up"), 3),
     **dict.fromkeys(("pysyncobj_patches", "peer_frames", "peer_auth", "node_tls", "transfer"), 3),
     **dict.fromkeys(("grpc_unary",), 3),
