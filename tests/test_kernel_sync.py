@@ -7,7 +7,10 @@ from __future__ import annotations
 import errno
 import os
 import select
+import shutil
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,8 +18,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hastream.errors import CorruptionError
 from raftstore.storage.journal import DurableJournal
 from raftstore.storage.kernel_sync import KernelSync, open_kernel_sync
+from tests.chaos.faults import MountRefused, Tmpfs
 
 pytestmark = pytest.mark.storage
 
@@ -75,6 +80,41 @@ def test_a_descriptor_the_kernel_cannot_fdatasync_is_refused_at_submit(tmp_path:
         syncs.close()
 
 
+@pytest.fixture
+def failing_disk(tmp_path: Path) -> Iterator[tuple[Path, Tmpfs]]:
+    """An ext4 file system on a loop device whose backing file sits, sparse, on a small
+    tmpfs: once the tmpfs is filled, the loop device cannot write, and an fdatasync of new
+    data on the ext4 fails for real (the kernel reports the writeback error)."""
+    tools = ("losetup", "mkfs.ext4", "mount", "umount")
+    if os.geteuid() != 0 or any(shutil.which(tool) is None for tool in tools):
+        pytest.skip("needs root and losetup, mkfs.ext4, mount (a loop device on a tmpfs)")
+    backing = Tmpfs(tmp_path / "backing", 24 << 20)
+    try:
+        backing.mount()
+    except MountRefused as refused:
+        pytest.skip(f"tmpfs cannot be mounted here: {refused}")
+    mounted = tmp_path / "ext4"
+    mounted.mkdir()
+    loop = ""
+    try:
+        image = backing.path / "disk.img"
+        os.truncate(os.open(image, os.O_CREAT | os.O_WRONLY, 0o600), 64 << 20)
+        attached = subprocess.run(
+            ["losetup", "-f", "--show", str(image)], capture_output=True, text=True, check=False
+        )
+        if attached.returncode != 0:
+            pytest.skip(f"no loop device here: {attached.stderr.strip()}")
+        loop = attached.stdout.strip()
+        subprocess.run(["mkfs.ext4", "-q", "-F", loop], check=True, capture_output=True)
+        subprocess.run(["mount", loop, str(mounted)], check=True, capture_output=True)
+        yield mounted, backing
+    finally:
+        subprocess.run(["umount", "-l", str(mounted)], check=False, capture_output=True)
+        if loop:
+            subprocess.run(["losetup", "-d", loop], check=False, capture_output=True)
+        backing.unmount()
+
+
 class _Waker:
     """The Raft loop's side (replication.py `watch`): it polls what it is given."""
 
@@ -125,6 +165,37 @@ def test_the_tuning_knob_keeps_the_helper_thread(tmp_path: Path) -> None:
     assert journal.sync_fd is None
     assert journal._ahead_thread is not None
     journal.close()
+
+
+@pytest.mark.parametrize("kernel_syncs", [True, False], ids=["kernel", "helper-thread"])
+def test_a_failed_fdatasync_of_sync_ahead_fails_the_journal_on_a_real_disk(
+    failing_disk: tuple[Path, Tmpfs], kernel_syncs: bool
+) -> None:
+    mounted, backing = failing_disk
+    journal = DurableJournal(mounted / "journal", kernel_syncs=kernel_syncs)
+    journal.append(b"before", 1, 1)
+    journal.sync()
+    backing.fill()  # the loop device's backing store is full: writeback of new data fails
+    journal.append(os.urandom(2 << 20), 2, 1)
+    waker = _Waker()
+    journal.sync_ahead(waker)
+    assert (journal.sync_fd is not None) is kernel_syncs
+    with pytest.raises(OSError) as failed:  # noqa: PT011 (the errno is checked below)
+        journal.sync()  # waits for it: the failure surfaces here or from a later call
+    assert failed.value.errno in (errno.ENOSPC, errno.EIO)
+    assert journal.durable_index == 1  # the failed one counted nothing
+    with pytest.raises(CorruptionError, match="fdatasync failed"):
+        journal.append(b"after", 3, 1)
+    with pytest.raises(CorruptionError):
+        journal.sync_ahead(waker)
+    with pytest.raises(CorruptionError):
+        journal.close()  # closes its files all the same (the node exits: replication.py)
+    backing.free(grow_bytes=64 << 20)
+    # Reopened, the journal holds what was durable; what the failed one covered may or may
+    # not have reached the disk.
+    reopened = DurableJournal(mounted / "journal")
+    assert reopened[:1] == [(b"before", 1, 1)]
+    reopened.close()
 
 
 class KernelSyncsAgainstAModel(RuleBasedStateMachine):
