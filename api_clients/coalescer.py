@@ -50,6 +50,12 @@ PENDING_APPENDS_MAX: Final = 65_536
 _MERGE_BYTES_FRACTION: Final = 0.5
 _POLL_S: Final = 0.5
 _SMALL_CHUNK_ROWS: Final = 1024  # merged appends below this many rows each are combined
+# With merging, the sender hands the pipeline its next request only once fewer than this
+# many are in flight: the node takes them in order, so a few keep it busy, and the appends
+# made meanwhile queue here and go out merged, as one request. Each request costs the
+# cluster more than its rows do (its own Raft proposal share, validation, answer), so while
+# the node is behind, fewer and larger requests carry more rows for the same CPU.
+SEND_AHEAD_REQUESTS: Final = 4
 _CONVERSION_ERRORS: Final = (
     pa.ArrowInvalid,
     pa.ArrowTypeError,
@@ -192,6 +198,13 @@ class Coalescer:
                     self._condition.wait(timeout=_POLL_S)
                 if not self._pending:
                     return
+            if self._merge:
+                # Appends queue meanwhile. At most _POLL_S: past it (a node that answers
+                # slowly) the pipeline's own window holds the request back, as before.
+                self._pipeline.wait_in_flight_below(SEND_AHEAD_REQUESTS, _POLL_S)
+            with self._condition:
+                if not self._pending:
+                    continue  # close() took them
                 batch = self._take()
                 self._condition.notify_all()
             try:

@@ -210,6 +210,18 @@ class PublishPipeline:
                 "messages_sent": self.messages_sent,
             }
 
+    def wait_in_flight_below(self, count: int, timeout_s: float) -> bool:
+        """Wait until fewer than `count` requests are in flight (or the pipeline ended or
+        closes), at most `timeout_s`; whether that is so."""
+        deadline = time.monotonic() + timeout_s
+        with self._condition:
+            while len(self._unacked) >= count and not self._closing and self._ended_by is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._condition.wait(timeout=min(left, _POLL_S))
+            return True
+
     def rows_in_flight(self) -> int:
         with self._condition:
             return sum(request.row_count for request in self._unacked)

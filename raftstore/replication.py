@@ -11,8 +11,8 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
      `__sendNextNodeIdx`): once for every message one poll read, right after that poll;
    - on the leader, by the kernel (Linux AIO; storage/kernel_sync.py) or else on the
      journal's helper thread (`DurableJournal.sync_ahead`), started as soon as it has
-     added and sent new entries: its tick thread sends the entry and takes the followers'
-     acknowledgements meanwhile, and the commit counts the leader only up to the index its
+     added and sent new entries: its tick thread takes the followers' acknowledgements
+     meanwhile, and the commit counts the leader only up to the index its
      fdatasyncs have covered (`commit_reach`; pysyncobj's own computation counts it always,
      and is cut back before anything is applied or sent, in `__applyLogEntries`). Two
      followers' acknowledgements commit an entry whose fdatasync on the leader is still

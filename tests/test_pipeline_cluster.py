@@ -17,7 +17,7 @@ import grpc
 import pyarrow as pa
 import pytest
 
-from api_clients import AppendResult, PublishAborted, Publisher, SchemaMismatch, Session
+from api_clients import AppendResult, PublishAborted, Publisher, SchemaMismatch, Session, coalescer
 from proto import hastream_pb2 as pb
 from raftstore import limits
 from tests.harness import LocalCluster, assert_replicas_hold_exactly, ipc_stream, wait_until
@@ -522,6 +522,38 @@ def test_one_row_appends_merge_only_where_offsets_stay_exact(
     wait_replicas(cluster, table, count)
     for alias in cluster.alive():
         assert ids_on(cluster, alias, table) == list(range(count)), alias
+
+
+def test_appends_made_faster_than_the_node_answers_go_out_merged_a_few_requests_ahead(
+    cluster: LocalCluster,
+) -> None:
+    """With the default window (64), the coalescer keeps at most SEND_AHEAD_REQUESTS
+    requests in flight and merges what queues meanwhile: fewer, larger requests for the
+    same rows, each append's offsets still its own."""
+    cluster.create_table("coalesce_ahead", SCHEMA)
+    count, size = 400, 100
+    seen_in_flight: list[int] = []
+    with session_for(cluster) as session:
+        publisher = Publisher(session, "coalesce_ahead")
+        futures = []
+        for number in range(count):
+            futures.append(publisher.append_async(rows(number * size, size)))
+            stats = publisher.pipeline_stats()
+            assert stats is not None
+            seen_in_flight.append(stats["in_flight"])
+        results = [future.result(timeout=DEADLINE_S) for future in futures]
+        stats = publisher.pipeline_stats()
+        publisher.close()
+    assert [(r.first_offset, r.row_count) for r in results] == [
+        (number * size, size) for number in range(count)
+    ]
+    assert stats is not None
+    assert max(seen_in_flight) <= coalescer.SEND_AHEAD_REQUESTS, seen_in_flight
+    assert stats["merged_appends"] > 0, stats
+    assert stats["acknowledged"] < count, stats  # requests, fewer than the appends
+    wait_replicas(cluster, "coalesce_ahead", count * size)
+    for alias in cluster.alive():
+        assert ids_on(cluster, alias, "coalesce_ahead") == list(range(count * size)), alias
 
 
 def test_merged_appends_of_mixed_sizes_keep_their_own_offsets(cluster: LocalCluster) -> None:

@@ -926,10 +926,9 @@ class DurableJournal:
 
     def use_helper_thread(self) -> None:
         """`sync_ahead`'s fdatasyncs on the helper thread even where the kernel could run
-        them (a measurement knob: tuning.py). Before the first `sync_ahead`."""
-        assert self._ahead is None
+        them (a measurement knob: tuning.py). Called before the first `sync_ahead`; a
+        kernel context opened already would stay in use."""
         self._kernel_syncs = False
-        self._close_kernel()
 
     @property
     def sync_fd(self) -> int | None:
