@@ -60,6 +60,10 @@ ATTEMPT_TIMEOUT_S_DEFAULT: Final = wire.PROPOSAL_TIMEOUT_S + 5.0
 PORT_ASK_S: Final = 2.0
 SITES_MAX: Final = 64
 HEALTH_TIMEOUT_S: Final = 5.0
+# A retry is not started with less of the call's deadline left than this: no node answers
+# that fast on a loaded machine, and its timeout would replace the last error seen (a
+# typed one, say NodeUnavailable) with an "outcome unknown" of its own.
+ATTEMPT_S_MIN: Final = 0.02
 
 # Calls only a group's leader answers: the site that answers one of these for a table is
 # remembered as the table's (and its group's) leader. Other calls may be served by any node.
@@ -423,6 +427,8 @@ class Session:
                 if decision.action is Action.DONE:
                     return None
                 if decision.target is None or (decision.backoff and not backoff.wait()):
+                    raise raised from None
+                if backoff.remaining_s() < ATTEMPT_S_MIN:
                     raise raised from None
                 memory, target = decision.state, decision.target
             else:

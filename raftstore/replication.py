@@ -314,8 +314,11 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
     def _unwatch_sync(self) -> None:
         fd, self._sync_watched = self._sync_watched, None
         if fd is not None:
-            self._poller.unsubscribe(fd)
-            self._poll_callbacks.pop(fd, None)  # pysyncobj's unsubscribe keeps the callback
+            self._unsubscribe(fd)
+
+    def _unsubscribe(self, fd: int) -> None:
+        self._poller.unsubscribe(fd)
+        self._poll_callbacks.pop(fd, None)  # pysyncobj's unsubscribe keeps the callback
 
     def _sync_after_add(self) -> None:
         # A failed fdatasync surfaces from the tick's own sync right after pysyncobj's loop
@@ -393,8 +396,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
 
     def release(self, fd: int) -> None:
         self._hosted.pop(fd, None)
-        self._poller.unsubscribe(fd)
-        self._poll_callbacks.pop(fd, None)  # pysyncobj's unsubscribe keeps the callback
+        self._unsubscribe(fd)
 
     def call_soon(self, call: Callable[[], None]) -> None:
         self._soon.append(call)

@@ -23,7 +23,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from api_clients import (
-    DeadlineExceeded,
     MultithreadedTableWriter,
     Publisher,
     Session,
@@ -430,14 +429,9 @@ def test_call_raises_last_error_when_deadline_passes(start_node: Callable[[], Fa
     started = time.monotonic()
     with (
         make_session(site(node), dead_site(), deadline_s=0.5) as session,
-        # The node's error or the dead site's; or, on a loaded machine, the last attempt's
-        # own timeout when the call's deadline left it only a sliver (checked below).
-        pytest.raises((errors.NodeUnavailable, SiteUnavailable, DeadlineExceeded)) as raised,
+        pytest.raises((errors.NodeUnavailable, SiteUnavailable)),  # the node's or the dead one's
     ):
         session.getTableInfo(TABLE)
-    if isinstance(raised.value, DeadlineExceeded):
-        assert raised.value.timeout_s is not None
-        assert raised.value.timeout_s < 0.5, "only an attempt the call's deadline cut short"
     assert time.monotonic() - started < 3.0
     assert len(node.calls("GetTableInfo")) >= 2  # It did retry, within the deadline.
 
