@@ -528,8 +528,9 @@ class DurableJournal:
     def _grow(self, segment: _Segment, needed: int) -> None:
         """Grow the newest segment to hold `needed` bytes and the next ones, by zeros (up
         to `extend_bytes` past its records, not past `segment_bytes_max` unless one record
-        needs it): written for small records, allocated (`Files.extend`) for big ones.
-        Where it cannot, the record's write grows the file itself.
+        needs it): written for small records (a write that fails fails the append, with
+        nothing changed), allocated (`Files.extend`) for big ones (where that cannot, the
+        record's write grows the file itself).
 
         Why two ways: ext4's fallocate leaves the blocks *unwritten*, and the fdatasync
         after a record that first fills one must also commit that block's conversion to
@@ -540,24 +541,28 @@ class DurableJournal:
         rows/s, docs/benchmark.md); for records of hundreds of KiB, a MiB holds only a few
         fdatasyncs and the zeros cost as much disk bandwidth as they save."""
         size = max(needed, min(segment.end + self._extend_bytes, self._segment_bytes_max))
-        small = size > needed and needed - segment.end <= _ZERO_FILL_RECORD_BYTES_MAX
-        if (small and self._zero_fill(segment, size)) or self._files.extend(segment.fd, size):
+        if size > needed and needed - segment.end <= _ZERO_FILL_RECORD_BYTES_MAX:
+            self._zero_fill(segment, size)
+            segment.size = size
+        elif self._files.extend(segment.fd, size):
             segment.size = size
 
-    def _zero_fill(self, segment: _Segment, size: int) -> bool:
-        """Write zeros from the file's end to `size`. False, with the file as it was, when
-        the write fails (a full disk): advisory, as `Files.extend`. Not fdatasynced here:
-        the next `sync` writes them with the first record over them (its file system
-        journal commit allocates the whole range once), and an fdatasync failing here
-        could be the one report of an error in records written before."""
+    def _zero_fill(self, segment: _Segment, size: int) -> None:
+        """Write zeros from the file's end to `size`. Raises the write's OSError with the
+        file cut back as it was, as a failed record write: the record was to go there (a
+        disk without room for a MiB of zeros is one the data files have filled already:
+        docs/durability.md). Not fdatasynced here: the next `sync` writes them with the
+        first record over them (its file system journal commit allocates the whole range
+        once), and an fdatasync failing here could be the one report of an error in the
+        records written before."""
         start = max(segment.size, segment.end)
         try:
             write_all_at(self._files, segment.fd, start, [_zeros(size - start)])
         except OSError:
+            # Zeros past the records are the grown tail even if this fails: harmless.
             with contextlib.suppress(OSError):
                 self._files.ftruncate(segment.fd, start)
-            return False
-        return True
+            raise
 
     def _roll(self) -> None:
         """Records go to a new segment from now on. The full one is cut to its records and
