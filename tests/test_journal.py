@@ -4,8 +4,10 @@ operation survives a reopen."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import os
+import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -159,6 +161,65 @@ def test_the_newest_segment_is_grown_ahead_and_its_zeros_cut_silently_at_open(
     assert len(journal) == 205
     journal.close()
     assert [idx for _, idx, _ in entries(tmp_path)] == list(range(1, 206))
+
+
+_FS_IOC_FIEMAP = 0xC020660B
+_FIEMAP_FLAG_SYNC = 0x1
+_FIEMAP_EXTENT_UNWRITTEN = 0x800
+_FIEMAP_HEAD = struct.Struct("=QQIIII")  # start, length, flags, mapped, count, reserved
+_FIEMAP_EXTENT = struct.Struct("=QQQQQIIII")  # logical, physical, length, 2 reserved, flags
+
+
+def _unwritten_bytes(path: Path, start: int, end: int) -> int | None:
+    """Bytes of [start, end) of the file that the file system holds as allocated but
+    unwritten blocks (fallocate's), by the FIEMAP ioctl; None where it cannot tell."""
+    slots = 64
+    request = bytearray(_FIEMAP_HEAD.size + slots * _FIEMAP_EXTENT.size)
+    _FIEMAP_HEAD.pack_into(request, 0, start, end - start, _FIEMAP_FLAG_SYNC, 0, slots, 0)
+    with path.open("rb") as file:
+        try:
+            fcntl.ioctl(file.fileno(), _FS_IOC_FIEMAP, request)
+        except OSError:
+            return None
+    mapped = _FIEMAP_HEAD.unpack_from(request, 0)[3]
+    unwritten = 0
+    for index in range(mapped):
+        at = _FIEMAP_HEAD.size + index * _FIEMAP_EXTENT.size
+        extent = _FIEMAP_EXTENT.unpack_from(request, at)
+        logical, length, flags = extent[0], extent[2], extent[5]
+        if flags & _FIEMAP_EXTENT_UNWRITTEN:
+            unwritten += max(0, min(end, logical + length) - max(start, logical))
+    return unwritten
+
+
+@pytest.mark.parametrize(
+    ("record_bytes", "written"), [(1_000, True), (200_000, False)], ids=["small", "big"]
+)
+def test_small_records_are_grown_ahead_by_written_zeros_big_ones_by_fallocate(
+    tmp_path: Path, record_bytes: int, written: bool
+) -> None:
+    """ext4 keeps fallocate's blocks unwritten, and the fdatasync after a record that first
+    fills one must commit their conversion too: small records get written zeros ahead
+    (one flush per fdatasync), big ones allocated ones (fewer bytes written)."""
+    journal = DurableJournal(tmp_path)
+    command = os.urandom(record_bytes)
+    journal.append(command, 1, 1)
+    journal.sync()
+    segment = journal._segments[-1]
+    ahead = (segment.end, segment.size)
+    path = segment_paths(tmp_path)[-1]
+    unwritten = _unwritten_bytes(path, *ahead)
+    journal.close()
+    if unwritten is None:
+        pytest.skip("the file system does not map extents (FIEMAP)")
+    assert ahead[1] - ahead[0] >= limits.RAFT_JOURNAL_EXTEND_BYTES // 2
+    assert entries(tmp_path) == [(command, 1, 1)]
+    if written:
+        assert unwritten == 0
+    elif unwritten == 0:
+        pytest.skip("the file system keeps no unwritten extents (fallocate writes zeros)")
+    else:
+        assert unwritten >= (ahead[1] - ahead[0]) // 2
 
 
 def test_bytes_after_the_zeros_of_the_grown_tail_refuse_to_open(tmp_path: Path) -> None:
