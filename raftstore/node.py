@@ -60,7 +60,7 @@ from raftstore.status_http import StatusServer
 from raftstore.storage.files import REAL_FILES, ensure_dir, raise_fd_soft_limit
 from raftstore.threads import Threads
 from raftstore.tuning import DEFAULT as DEFAULT_TUNING
-from raftstore.tuning import Tuning
+from raftstore.tuning import Tuning, yields_after_ack
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class Node:
             secret=self.cluster.raft_secret,
             election_timeout_s=self.cluster.election_timeout_s,
             checkpoint_interval_s=self.cluster.purge_interval_s,
-            yield_after_ack=self._tuning.yield_after_ack,
+            yield_after_ack=yields_after_ack(self._tuning),
             kernel_syncs=self._tuning.kernel_syncs,
         )
         role = RoleSignal()
@@ -457,6 +457,7 @@ class Node:
 
     def _apply_tuning(self) -> None:
         """The process-wide knobs (tuning.py), before any thread of the write path runs."""
+        log.info("followers yield after acknowledging: %s", yields_after_ack(self._tuning))
         if self._tuning == DEFAULT_TUNING:
             return
         log.warning("measurement knobs on (HASTREAM_TUNING) tuning=%s", self._tuning)

@@ -7,7 +7,8 @@ variable HASTREAM_TUNING before the node starts, e.g.
     HASTREAM_TUNING=yield_after_ack=off
     HASTREAM_TUNING=kernel_syncs=off
 
-Operators have no reason to set it: every default is the product's choice. A knob may only
+Operators have no reason to set it: every default is the product's choice (one, the
+follower's yield, is chosen from the machine: `yields_after_ack`). A knob may only
 lower a bound the node was sized for (fewer entries in flight, never more), so no setting
 here can take memory or queues past limits.py. Parsed once, at start, by `python -m
 raftstore`; a bad value refuses the start with a ConfigError naming the variable and key.
@@ -41,14 +42,39 @@ class Tuning:
     # nothing. `<ALIAS>` is replaced by the node's alias.
     trace_file: Path | None = None
     # A follower gives up its CPU (sched_yield) right after sending its acknowledgements,
-    # before it applies (replication.py). "off" measures the product without it.
-    yield_after_ack: bool = True
+    # before it applies (replication.py). None: where idle CPUs halt (`idle_cpus_halt`);
+    # "on" or "off" decides it for an A/B.
+    yield_after_ack: bool | None = None
     # The leader's own fdatasyncs run by the kernel (Linux AIO, storage/kernel_sync.py)
     # where it can. "off" measures the journal's helper thread instead.
     kernel_syncs: bool = True
 
 
 DEFAULT: Final = Tuning()
+CPUIDLE_DRIVER: Final = Path("/sys/devices/system/cpu/cpuidle/current_driver")
+
+
+def idle_cpus_halt(driver_file: Path = CPUIDLE_DRIVER) -> bool:
+    """Whether this machine's idle CPUs halt outright: no cpuidle driver (or none readable),
+    as on some VMs. Waking a halted vCPU from the other one costs hundreds of microseconds
+    there, so Linux queues the leader's thread, woken by a follower's acknowledgement,
+    behind that follower on its busy CPU, and the follower's yield lets it run first (+5%
+    rows/s at one-row waited appends, docs/benchmark.md). Where a driver (haltpoll, a
+    C-state one) makes the wake-up cheap, the yield only costs: x0.86-0.93 rows/s at
+    waited appends on an AMD EPYC VM with haltpoll."""
+    try:
+        driver = driver_file.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return True
+    return driver in ("", "none")
+
+
+def yields_after_ack(tuning: Tuning, driver_file: Path = CPUIDLE_DRIVER) -> bool:
+    """The follower's yield after its acknowledgements: the knob if set, else the machine's
+    answer (`idle_cpus_halt`)."""
+    if tuning.yield_after_ack is not None:
+        return tuning.yield_after_ack
+    return idle_cpus_halt(driver_file)
 
 
 def from_environment(environ: Mapping[str, str], alias: str) -> Tuning:
@@ -85,7 +111,7 @@ def parse(text: str, alias: str) -> Tuning:
     trace_file = None
     if values.get("trace_file"):
         trace_file = Path(values["trace_file"].replace("<ALIAS>", alias))
-    yield_after_ack = DEFAULT.yield_after_ack
+    yield_after_ack: bool | None = DEFAULT.yield_after_ack
     if "yield_after_ack" in values:
         yield_after_ack = _switch("yield_after_ack", values["yield_after_ack"])
     kernel_syncs = DEFAULT.kernel_syncs
@@ -109,7 +135,7 @@ def render(tuning: Tuning) -> str:
         parts.append(f"switch_interval_ms={tuning.switch_interval_ms:g}")
     if tuning.trace_file is not None:
         parts.append(f"trace_file={tuning.trace_file}")
-    if tuning.yield_after_ack != DEFAULT.yield_after_ack:
+    if tuning.yield_after_ack is not None:
         parts.append(f"yield_after_ack={'on' if tuning.yield_after_ack else 'off'}")
     if tuning.kernel_syncs != DEFAULT.kernel_syncs:
         parts.append(f"kernel_syncs={'on' if tuning.kernel_syncs else 'off'}")

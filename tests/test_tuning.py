@@ -17,7 +17,7 @@ def test_unset_is_the_products_defaults() -> None:
     assert tuning.DEFAULT.proposals_in_flight == limits.PROPOSALS_IN_FLIGHT_MAX
     assert tuning.DEFAULT.switch_interval_ms is None
     assert tuning.DEFAULT.trace_file is None
-    assert tuning.DEFAULT.yield_after_ack is True
+    assert tuning.DEFAULT.yield_after_ack is None  # chosen from the machine at start
     assert tuning.DEFAULT.kernel_syncs is True
 
 
@@ -33,7 +33,8 @@ def test_every_knob_is_read_and_the_alias_substituted() -> None:
         yield_after_ack=False,
         kernel_syncs=False,
     )
-    assert tuning.parse("yield_after_ack=on,kernel_syncs=on", "n") == tuning.DEFAULT
+    assert tuning.parse("kernel_syncs=on", "n") == tuning.DEFAULT
+    assert tuning.parse("yield_after_ack=on", "n").yield_after_ack is True
 
 
 @pytest.mark.parametrize(
@@ -71,14 +72,14 @@ def test_no_knob_raises_a_bound_limits_py_sized_memory_by() -> None:
     in_flight=st.integers(1, limits.PROPOSALS_IN_FLIGHT_MAX),
     switch=st.none() | st.sampled_from([0.05, 0.5, 1.0, 2.5, 100.0]),
     trace=st.none() | st.sampled_from(["/tmp/a.json", "/var/tmp/x/trace.json"]),
-    yield_after_ack=st.booleans(),
+    yield_after_ack=st.none() | st.booleans(),
     kernel_syncs=st.booleans(),
 )
 def test_render_reads_back(
     in_flight: int,
     switch: float | None,
     trace: str | None,
-    yield_after_ack: bool,
+    yield_after_ack: bool | None,
     kernel_syncs: bool,
 ) -> None:
     knobs = tuning.Tuning(
@@ -89,3 +90,23 @@ def test_render_reads_back(
         kernel_syncs=kernel_syncs,
     )
     assert tuning.parse(tuning.render(knobs), "n") == knobs
+
+
+@pytest.mark.parametrize(
+    ("content", "halts"),
+    [("none\n", True), ("", True), ("haltpoll\n", False), ("intel_idle\n", False), (None, True)],
+    ids=["none", "empty", "haltpoll", "intel_idle", "no-cpuidle"],
+)
+def test_the_followers_yield_follows_whether_idle_cpus_halt(
+    tmp_path: Path, content: str | None, halts: bool
+) -> None:
+    """Unset, the yield is on where idle CPUs halt outright (no cpuidle driver: waking one
+    is slow, and the leader's thread is queued behind the follower that woke it), off
+    where a driver makes the wake-up cheap; a knob decides it either way."""
+    driver = tmp_path / "current_driver"
+    if content is not None:
+        driver.write_text(content, encoding="ascii")
+    assert tuning.idle_cpus_halt(driver) is halts
+    assert tuning.yields_after_ack(tuning.DEFAULT, driver) is halts
+    assert tuning.yields_after_ack(tuning.parse("yield_after_ack=on", "n"), driver) is True
+    assert tuning.yields_after_ack(tuning.parse("yield_after_ack=off", "n"), driver) is False
