@@ -173,11 +173,12 @@ def test_a_failed_fdatasync_of_sync_ahead_fails_the_journal_on_a_real_disk(
 ) -> None:
     mounted, backing = failing_disk
     # Grown by each record alone (no zeros ahead), so the big record's blocks are all ones
-    # the loop device never wrote. Zeros written ahead (journal._grow) would put its first
-    # MiB on written blocks and the rest on new ones: the block layer merges the two writes
-    # into one request, the loop device writes its first part, meets the full tmpfs and
-    # reports the short write as a success (kernel 6.18 here; the rest of the record reads
-    # back as zeros). No fdatasync can report what the device does not.
+    # the loop device never wrote. With zeros written ahead (journal._grow) its first MiB
+    # lands on written blocks and the rest on new ones, and on this loop-over-full-tmpfs
+    # disk that write was reported done with its second half never written (kernel 6.18:
+    # one "critical space allocation error" in dmesg, fdatasync returned 0, the rest of the
+    # record read back as zeros; most likely the loop device's short write of a merged
+    # request). No fdatasync can report what the device does not.
     journal = DurableJournal(mounted / "journal", kernel_syncs=kernel_syncs, extend_bytes=0)
     journal.append(b"before", 1, 1)
     journal.sync()
