@@ -96,6 +96,7 @@ class Node:
         rebuild from its peers (identity.py). `tuning`: measurement knobs (tuning.py)."""
         self._rejoin = rejoin
         self._tuning = tuning
+        self._yield_after_ack = yields_after_ack(tuning)  # read from the machine once
         self.cluster = cluster
         self.config = cluster.node(alias)
         self.alias = alias
@@ -269,7 +270,7 @@ class Node:
             secret=self.cluster.raft_secret,
             election_timeout_s=self.cluster.election_timeout_s,
             checkpoint_interval_s=self.cluster.purge_interval_s,
-            yield_after_ack=yields_after_ack(self._tuning),
+            yield_after_ack=self._yield_after_ack,
             kernel_syncs=self._tuning.kernel_syncs,
         )
         role = RoleSignal()
@@ -457,7 +458,7 @@ class Node:
 
     def _apply_tuning(self) -> None:
         """The process-wide knobs (tuning.py), before any thread of the write path runs."""
-        log.info("followers yield after acknowledging: %s", yields_after_ack(self._tuning))
+        log.info("followers yield after acknowledging: %s", self._yield_after_ack)
         if self._tuning == DEFAULT_TUNING:
             return
         log.warning("measurement knobs on (HASTREAM_TUNING) tuning=%s", self._tuning)

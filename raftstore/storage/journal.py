@@ -164,11 +164,6 @@ def live_segments(directory: Path, files: Files = REAL_FILES) -> list[tuple[Path
 # alone): records of 6.6 KiB x1.16-1.20, 64 KiB x1.12-1.15, 128 KiB x1.06-1.07, 320 KiB
 # x0.95-1.02: past a few hundred KiB a MiB of zeros holds too few fdatasyncs to pay.
 _ZERO_FILL_RECORD_BYTES_MAX: Final = 128 * 1024
-_ZEROS: Final = bytes(limits.RAFT_JOURNAL_EXTEND_BYTES)
-
-
-def _zeros(length: int) -> bytes | memoryview:
-    return memoryview(_ZEROS)[:length] if length <= len(_ZEROS) else bytes(length)
 
 
 @dataclass(slots=True)
@@ -557,7 +552,7 @@ class DurableJournal:
         records written before."""
         start = max(segment.size, segment.end)
         try:
-            write_all_at(self._files, segment.fd, start, [_zeros(size - start)])
+            write_all_at(self._files, segment.fd, start, [bytes(size - start)])
         except OSError:
             # Zeros past the records are the grown tail even if this fails: harmless.
             with contextlib.suppress(OSError):
