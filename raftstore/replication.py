@@ -344,8 +344,13 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         # Never a blocking acquire: a proposer may hold the leadership transfer's lock
         # (transfer.admit), which the tick thread takes while it holds this one.
         if not self._tick_lock.acquire(blocking=False):
-            # A tick is running: it takes the queue before its poll, or this wakes it.
-            self._SyncObj__pipeNotifier.notify()
+            # A tick is running: it takes the queue before its poll, or this wakes it. Not
+            # when that tick is this thread (a publish-port request read by its poll): its
+            # caller adds the entry at once (`propose_now`), or the next tick takes the
+            # queue before it polls; the wake-up only cost a tick and two system calls
+            # per publish (x0.96 leader CPU per one-row waited append, docs/benchmark.md).
+            if threading.get_ident() != self._tick_thread_id:
+                self._SyncObj__pipeNotifier.notify()
             return
         try:
             if self._SyncObj__destroying:
