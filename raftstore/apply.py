@@ -791,12 +791,19 @@ class Applier:
     # --- ticks --------------------------------------------------------------------------
 
     def on_tick(self) -> None:
-        self._take_damage_reports()
+        # Every tick of the Raft loop comes here: the checks are read without the lock
+        # first (a report appended meanwhile is taken by the next tick).
+        if self._damage:
+            self._take_damage_reports()
         if self._gaps:
             if self._monotonic() >= self._retry_at:
                 self._poll_repair()
             return
-        if self._health.state is ReplicaState.HEALTHY and self._pending is None:
+        if (
+            self._health.state is ReplicaState.HEALTHY
+            and self._pending is None
+            and self._retention.due()
+        ):
             with self._lock:
                 stores = list(self._stores.values())
             try:

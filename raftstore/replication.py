@@ -81,7 +81,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -209,6 +209,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         # The journal's eventfd the tick's poll watches (`watch`), and the thread that ticks.
         self._sync_watched: int | None = None
         self._tick_thread_id: int | None = None
+        self._failures = _JournalFailures(replica)
         super().__init__(*args, **kwargs)
         poller = self._poller
         if not isinstance(poller, PollPoller):
@@ -256,6 +257,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
     def _sync_and_acknowledge(self) -> None:
         """A follower: fdatasync the journal once, then send every acknowledgement it made
         true. The leader: have its fdatasync run without waiting for it (`commit_reach`)."""
+        if not self._deferred_acks and self._journal.settled:
+            return  # most calls: a tick's start, a proposal with nothing added
         if self._SyncObj__raftState == _STATE_LEADER and not self._deferred_acks:
             took = self._journal.sync_ahead(self)
             if took is not None:
@@ -487,22 +490,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         if self.encryptor is not None:
             self.encryptor.forget_pieces()  # this tick's frames are queued on their links
 
-    @contextlib.contextmanager
-    def _journal_failures(self) -> Iterator[None]:
-        try:
-            yield
-        except OSError as error:
-            # The journal could not write (disk full, I/O error): it kept its state as it
-            # was (storage/journal.py). This member is in doubt until a write works again;
-            # what a peer sent meanwhile is resent (the leader's next message finds it
-            # missing here).
-            self._replica.journal_failed(error)
-        except CorruptionError:
-            # An fdatasync failed: the kernel may have dropped the pages. Only a restart,
-            # which reads the journal back from disk, knows what is durable.
-            log.critical("raft journal failed; stopping the node", exc_info=True)
-            logging.shutdown()
-            os._exit(70)
+    def _journal_failures(self) -> _JournalFailures:
+        return self._failures
 
     def _note_slow_tick(self, held_s: float) -> None:
         """A tick that held the thread for half an election timeout is logged: heartbeats
@@ -710,6 +699,37 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                     due += _COMMIT_NOTICE_S
                 if self._next_send_at() > due:
                     self._SyncObj__newAppendEntriesTime = due
+        return False
+
+
+class _JournalFailures:
+    """`with` it around the journal's writes and syncs on the tick thread (a class, not a
+    generator context manager: it is entered a few times per entry)."""
+
+    __slots__ = ("_replica",)
+
+    def __init__(self, replica: RaftReplica) -> None:
+        self._replica = replica
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace_back: Any
+    ) -> bool:
+        if isinstance(error, OSError):
+            # The journal could not write (disk full, I/O error): it kept its state as it
+            # was (storage/journal.py). This member is in doubt until a write works again;
+            # what a peer sent meanwhile is resent (the leader's next message finds it
+            # missing here).
+            self._replica.journal_failed(error)
+            return True
+        if isinstance(error, CorruptionError):
+            # An fdatasync failed: the kernel may have dropped the pages. Only a restart,
+            # which reads the journal back from disk, knows what is durable.
+            log.critical("raft journal failed; stopping the node", exc_info=error)
+            logging.shutdown()
+            os._exit(70)
         return False
 
 
@@ -992,6 +1012,7 @@ class RaftReplica:
         self.leader_changes = 0
         self.slow_ticks = 0  # ticks that held the tick thread for half an election timeout
         self._last_leader: str | None = None
+        self._last_leader_node: object | None = None
         # Built before the SyncObj, whose tick thread drives it at once: it reads
         # self._sync_obj only while a transfer is under way, and only a request starts one.
         self._transfer = LeadershipTransfer(
@@ -1176,6 +1197,9 @@ class RaftReplica:
     def observe_leader(self) -> None:
         """Tick thread: count changes of the leader this member knows (leader_changes)."""
         leader = self._sync_obj._SyncObj__raftLeader
+        if leader is self._last_leader_node:
+            return  # every tick: no string made while the leader stays
+        self._last_leader_node = leader
         address = None if leader is None else str(leader.address)
         if address != self._last_leader:
             self._last_leader = address

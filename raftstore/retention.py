@@ -38,6 +38,10 @@ class Retention:
         self._next_run = monotonic() + interval_s
         self.rows_removed = 0
 
+    def due(self) -> bool:
+        """Whether `run_if_due` would run now (a caller skips listing the stores if not)."""
+        return self._monotonic() >= self._next_run
+
     def run_if_due(self, stores: Iterable[TableStore]) -> None:
         now = self._monotonic()
         if now < self._next_run:

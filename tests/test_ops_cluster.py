@@ -239,7 +239,13 @@ def test_grpc_health_says_serving_only_while_leaders_are_known(
     cluster: LocalCluster, session: Session, sites: str
 ) -> None:
     for site in sites.split(","):
-        assert session.checkHealth(site) == "SERVING"
+        # The node's watch loop sets the status every _WATCH_S: a cluster this test is the
+        # first of its module to use may not have said SERVING yet.
+        wait_until(
+            lambda site=site: session.checkHealth(site) == "SERVING",
+            timeout_s=30,
+            message=f"{site} serving",
+        )
     alone, *others = sorted(cluster.nodes)
     alone_site = f"127.0.0.1:{cluster.nodes[alone].port}"
     healthz = f"http://127.0.0.1:{cluster.metrics_ports[alone]}/healthz"

@@ -1027,6 +1027,12 @@ class DurableJournal:
         return self._dirty
 
     @property
+    def settled(self) -> bool:
+        """Nothing written since the last fdatasync, none running and the journal not
+        failed: `sync` and `sync_ahead` would do nothing (most ticks ask)."""
+        return not self._dirty and self._ahead is None and self._failed is None
+
+    @property
     def failed(self) -> CorruptionError | None:
         """Why the journal refuses writes, or None."""
         return self._failed
