@@ -159,6 +159,14 @@ _COMMIT_NOTICE_S: Final = 0.010
 # 0.084-0.097 of a core, and 0.037-0.059 with this (`python -m bench.idle`).
 _IDLE_TICK_S: Final = 0.05
 
+# Under load a tick runs per message (several per entry); what it only looks after (a
+# checkpoint or retention due, damage a reader reported, a rejoin, a leadership transfer's
+# next step, the leader count, the hosted connections' timeouts) is looked at no more often
+# than this: those checks cost ~40 us of the leader's CPU per one-row waited append on a
+# 2-core VM (docs/benchmark.md), and none needs sub-millisecond promptness. The doubt and
+# pre-vote gates, which decide whether this tick may start an election, run every tick.
+_HOUSEKEEPING_S: Final = 0.001
+
 # A checkpoint the applier wants is asked for at most this often.
 _CHECKPOINT_FORCE_S: Final = 1.0
 
@@ -210,6 +218,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._sync_watched: int | None = None
         self._tick_thread_id: int | None = None
         self._failures = _JournalFailures(replica)
+        self._housekeeping_at = 0.0  # the next tick after this looks after the rest
         super().__init__(*args, **kwargs)
         poller = self._poller
         if not isinstance(poller, PollPoller):
@@ -477,6 +486,15 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             self._commit_before_tick = self._SyncObj__raftCommitIndex
             super()._onTick(timeToWait)
             self._note_slow_tick(time.monotonic() - started - timeToWait)
+        finished = time.monotonic()
+        if finished >= self._housekeeping_at:
+            self._housekeeping_at = finished + _HOUSEKEEPING_S
+            self._housekeep()
+        if self.encryptor is not None:
+            self.encryptor.forget_pieces()  # this tick's frames are queued on their links
+
+    def _housekeep(self) -> None:
+        """What a tick looks at but rarely finds to do: at most every _HOUSEKEEPING_S."""
         now = pysyncobj_tcp_connection.monotonicTime()
         wanted = self._hooks.checkpoint_wanted() and now >= self._checkpoint_forced_until
         if self._journal.bytes_total > limits.RAFT_LOG_BYTES_MAX or wanted:
@@ -487,8 +505,6 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._replica.check_rejoined()
         self._replica.observe_leader()
         self._replica.drive_transfer()
-        if self.encryptor is not None:
-            self.encryptor.forget_pieces()  # this tick's frames are queued on their links
 
     def _journal_failures(self) -> _JournalFailures:
         return self._failures
@@ -591,8 +607,9 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
 
     def _SyncObj__tryLogCompaction(self) -> None:
         # While in doubt the applied state is not whole: no checkpoint, keep the log (this
-        # also keeps pysyncobj from retrying a deferred checkpoint on every tick).
-        if self._replica.in_doubt():
+        # also keeps pysyncobj from retrying a deferred checkpoint on every tick). Looked
+        # at with the housekeeping (`_HOUSEKEEPING_S`), not on every tick.
+        if time.monotonic() < self._housekeeping_at or self._replica.in_doubt():
             return
         serialized_before = self._SyncObj__lastSerializedEntry
         _original_try_log_compaction(self)
