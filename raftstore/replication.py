@@ -465,9 +465,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         # instead of 0.15, and the add -> commit went from 0.96 to 0.90 ms (x1.02 rows/s one
         # row waited, x1.03 at 1,000; docs/benchmark.md, twenty-third session).
         super()._checkCommandsToApply()
-        if self._journal.dirty or self._deferred_acks:
-            # Only after an add: the tick's start took the running fdatasync's result already.
-            self._sync_and_acknowledge()
+        self._sync_and_acknowledge()
 
     def _onTick(self, timeToWait: float = 0.0) -> None:
         with self._tick_lock:
