@@ -218,7 +218,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._sync_watched: int | None = None
         self._tick_thread_id: int | None = None
         self._failures = _JournalFailures(replica)
-        self._housekeeping_at = 0.0  # the next tick after this looks after the rest
+        self._housekeeping_at = 0.0  # when a tick next runs `_housekeep`
         super().__init__(*args, **kwargs)
         poller = self._poller
         if not isinstance(poller, PollPoller):
@@ -360,7 +360,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             # when that tick is this thread (a publish-port request read by its poll): its
             # caller adds the entry at once (`propose_now`), or the next tick takes the
             # queue before it polls; the wake-up only cost a tick and two system calls
-            # per publish (x0.96 leader CPU per one-row waited append, docs/benchmark.md).
+            # per publish (node CPU x0.96-0.97 per one-row waited append, docs/benchmark.md).
             if threading.get_ident() != self._tick_thread_id:
                 self._SyncObj__pipeNotifier.notify()
             return
