@@ -608,8 +608,16 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
     def _SyncObj__tryLogCompaction(self) -> None:
         # While in doubt the applied state is not whole: no checkpoint, keep the log (this
         # also keeps pysyncobj from retrying a deferred checkpoint on every tick). Looked
-        # at with the housekeeping (`_HOUSEKEEPING_S`), not on every tick.
-        if time.monotonic() < self._housekeeping_at or self._replica.in_doubt():
+        # at with the housekeeping (`_HOUSEKEEPING_S`), not on every tick, unless one is
+        # asked for or under way: its steps (write, then cut the log and let the applier
+        # drop what only older replays needed) then take consecutive ticks, as before.
+        if (
+            time.monotonic() < self._housekeeping_at
+            and not self._SyncObj__forceLogCompaction
+            and not self._SyncObj__serializer._Serializer__pid  # 0: none written or pending
+        ):
+            return
+        if self._replica.in_doubt():
             return
         serialized_before = self._SyncObj__lastSerializedEntry
         _original_try_log_compaction(self)

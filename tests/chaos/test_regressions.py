@@ -8,6 +8,7 @@ suite stays green and an XPASS shows a fix landed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import secrets
@@ -275,14 +276,16 @@ def test_drop_of_a_symlinked_table_directory_removes_the_files_and_stops_no_node
         session.dropStreamTable("T")
     verify.check_alive(cluster, cluster.nodes)
     _settle(cluster, {2: "barrier"})
+
+    def gone(alias: str, target: Path) -> bool:
+        directories = (cluster.persistence_dir(alias) / "group-2").glob("T*")
+        return not list(directories) and not list(target.glob("seg-*"))
+
     for alias, target in moved.items():
         # The files go once a checkpoint after the drop is durable: a tick or two after the
         # drop's apply, which the barrier does not wait for.
         wait_until(
-            lambda alias=alias, target=target: (
-                not list((cluster.persistence_dir(alias) / "group-2").glob("T*"))
-                and not list(target.glob("seg-*"))
-            ),
+            functools.partial(gone, alias, target),
             timeout_s=30,
             message=f"{alias}: the dropped table's directory and data files in {target} gone",
         )
