@@ -493,6 +493,7 @@ def test_a_failed_fdatasync_refuses_later_writes_until_reopened() -> None:
         journal.sync()
     # Linux may have dropped the pages and marked them clean: a second fdatasync could
     # succeed without the entry on disk, so the journal does not try.
+    assert not journal.settled  # the Raft loop's shortcut must not skip the refusal below
     with pytest.raises(CorruptionError, match="fdatasync failed"):
         journal.sync()
     with pytest.raises(CorruptionError):
@@ -765,6 +766,29 @@ def test_entries_written_while_the_fdatasync_runs_wait_for_the_next_one(tmp_path
     journal.sync()  # settles it: nothing left
     assert not journal.dirty
     assert files.started == 2
+    journal.close()
+
+
+def test_settled_only_with_nothing_written_nothing_running_and_no_failure(tmp_path: Path) -> None:
+    # The Raft loop skips its sync on every tick that finds the journal settled.
+    files = _GatedSyncs()
+    journal = DurableJournal(tmp_path, files=files)
+    assert journal.settled
+    journal.append(b"one", 1, 1)
+    assert not journal.settled  # written, not synced
+    woken, wake = _woken()
+    journal.sync_ahead(wake)
+    journal.want_wake()
+    assert not journal.settled  # its fdatasync runs
+    files.allow()
+    assert woken.wait(timeout=30)
+    assert not journal.settled  # returned, its result not taken yet
+    journal.sync_ahead(wake)
+    assert journal.settled
+    journal.append(b"two", 2, 1)
+    files.allow()
+    journal.sync()
+    assert journal.settled
     journal.close()
 
 
