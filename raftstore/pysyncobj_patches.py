@@ -108,6 +108,7 @@ SYNCOBJ_ATTRIBUTES: Final = (
     "_SyncObj__conf",
     "_SyncObj__destroying",
     "_SyncObj__connectedNodes",
+    "_SyncObj__forceLogCompaction",
     "_SyncObj__lastSerializedEntry",
     "_SyncObj__leaderCommitIndex",
     "_SyncObj__newAppendEntriesTime",
@@ -123,12 +124,16 @@ SYNCOBJ_ATTRIBUTES: Final = (
     "_SyncObj__raftNextIndex",
     "_SyncObj__raftState",
     "_SyncObj__selfNode",
+    "_SyncObj__serializer",
     "_SyncObj__transferInProgress",
     "_SyncObj__transport",
     "_poller",
 )
 # The deque inside pysyncobj's FastQueue (its commands queue), which replication.py reads.
 QUEUE_ATTRIBUTE: Final = "_FastQueue__queue"
+# pysyncobj's Serializer: 0 while no checkpoint is being written or waits to be taken
+# (replication.py reads it to look at compaction only with its housekeeping otherwise).
+SERIALIZER_PID_ATTRIBUTE: Final = "_Serializer__pid"
 # Instance attributes of pysyncobj's PollPoller that replication.py's poll reads.
 POLLER_ATTRIBUTES: Final = ("_PollPoller__poll", "_PollPoller__descrToCallbacks")
 _MODULE_NAMES: Final = (

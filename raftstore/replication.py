@@ -217,7 +217,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         # The journal's eventfd the tick's poll watches (`watch`), and the thread that ticks.
         self._sync_watched: int | None = None
         self._tick_thread_id: int | None = None
-        self._failures = _JournalFailures(replica)
+        self._journal_failures = _JournalFailures(replica)
         self._housekeeping_at = 0.0  # when a tick next runs `_housekeep`
         super().__init__(*args, **kwargs)
         poller = self._poller
@@ -372,7 +372,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                 # acknowledgements, would wait here for the lock; it adds this one on its way.
                 self._SyncObj__pipeNotifier.notify()
                 return
-            with self._journal_failures():
+            with self._journal_failures:
                 self._checkCommandsToApply()
             if self.encryptor is not None:
                 self.encryptor.forget_pieces()
@@ -429,7 +429,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             return
         if self._SyncObj__raftCommitIndex < self._SyncObj__getCurrentLogIndex():
             return
-        with self._journal_failures():
+        with self._journal_failures:
             self._checkCommandsToApply()
 
     def _run_soon(self, call: Callable[[], None]) -> None:
@@ -475,7 +475,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
     def _tick(self, timeToWait: float) -> None:
         # Before the leader's commit computation counts this node: entries on disk. On a
         # follower, what the last poll left unsynced (normally synced right after it).
-        with self._journal_failures():
+        with self._journal_failures:
             self._sync_and_acknowledge()
             if self._replica.in_doubt():
                 self._stay_out_of_leadership()
@@ -505,9 +505,6 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._replica.check_rejoined()
         self._replica.observe_leader()
         self._replica.drive_transfer()
-
-    def _journal_failures(self) -> _JournalFailures:
-        return self._failures
 
     def _note_slow_tick(self, held_s: float) -> None:
         """A tick that held the thread for half an election timeout is logged: heartbeats
@@ -611,11 +608,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         # at with the housekeeping (`_HOUSEKEEPING_S`), not on every tick, unless one is
         # asked for or under way: its steps (write, then cut the log and let the applier
         # drop what only older replays needed) then take consecutive ticks, as before.
-        if (
-            time.monotonic() < self._housekeeping_at
-            and not self._SyncObj__forceLogCompaction
-            and not self._SyncObj__serializer._Serializer__pid  # 0: none written or pending
-        ):
+        if time.monotonic() < self._housekeeping_at and not self._checkpoint_under_way():
             return
         if self._replica.in_doubt():
             return
@@ -625,6 +618,12 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             # The checkpoint is in place and the journal cut before it (the cut fsyncs the
             # directory both live in): the applier may drop what only older replays needed.
             self._replica.checkpoint_durable()
+
+    def _checkpoint_under_way(self) -> bool:
+        """A checkpoint was asked for, or pysyncobj writes one or has one to take."""
+        serializer = self._SyncObj__serializer
+        pending = getattr(serializer, pysyncobj_patches.SERIALIZER_PID_ATTRIBUTE)
+        return bool(self._SyncObj__forceLogCompaction or pending)
 
     def _SyncObj__getEntries(
         self, fromIDx: int | None, count: int | None = None, maxSizeBytes: int | None = None

@@ -43,10 +43,9 @@ class Retention:
         return self._monotonic() >= self._next_run
 
     def run_if_due(self, stores: Iterable[TableStore]) -> None:
-        now = self._monotonic()
-        if now < self._next_run:
+        if not self.due():
             return
-        self._next_run = now + self._interval_s
+        self._next_run = self._monotonic() + self._interval_s
         self.run(stores)
 
     def run(self, stores: Iterable[TableStore]) -> None:

@@ -57,6 +57,8 @@ def test_every_private_attribute_the_adapter_touches_exists_on_a_live_syncobj(
             assert hasattr(member._poller, name), name
         queue = member._SyncObj__commandsQueue
         assert hasattr(queue, pysyncobj_patches.QUEUE_ATTRIBUTE)
+        serializer = member._SyncObj__serializer
+        assert hasattr(serializer, pysyncobj_patches.SERIALIZER_PID_ATTRIBUTE)
     finally:
         member.destroy()
 
