@@ -254,7 +254,7 @@ class LocalCluster:
         under that limit of open files, soft and hard (`prlimit`)."""
         node = self.nodes[alias]
         node.log_offset = node.log_path.stat().st_size if node.log_path.exists() else 0
-        env = dict(os.environ, PYTHONPATH=str(self.repo), **self.environment)
+        env = {**os.environ, "PYTHONPATH": str(self.repo), **self.environment}
         command = [sys.executable, "-m", "raftstore", "--config", str(self.config_path)]
         command += ["--node", alias]
         if nofile is not None:
