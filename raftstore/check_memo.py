@@ -1,21 +1,27 @@
-"""The leader's checks of small payloads, kept for the apply of the entries that carry them.
+"""The leader's checks of publish payloads, kept for the apply of the entries that carry them.
 
 A leader reads every publish's Arrow IPC payload twice: once to refuse a bad one before it
 is proposed, and again when the committed entry is applied (apply must decide from the
-entry alone, identically on every replica). For a one-row publish the second read is a
-large part of the leader's apply, which the publisher waits for; and it is the same
-computation on the same bytes against the same table. So the first read is remembered,
-keyed by the table and the payload's exact bytes, with the table incarnation it was made
-against (`owner`, compared by identity): apply takes it back only for byte-identical
-bytes of the same incarnation, and otherwise reads the payload as every follower does.
-The remembered value never decides anything a fresh read would not.
+entry alone, identically on every replica). The second read is on the way to the
+publisher's answer (apply runs before it), and it is the same computation on the same bytes
+against the same table: a cold pyarrow read costs 30-50 us in a node (its code and data out
+of the CPU's caches between appends), about as much for one row as for a thousand. So the
+first read is remembered, with the payload and the table incarnation it was made against
+(`owner`, compared by identity): apply takes it back only for byte-identical bytes of the
+same incarnation, and otherwise reads the payload as every follower does. The remembered
+value never decides anything a fresh read would not.
 
-Bounded: payloads up to `payload_bytes_max` (beyond that the key's copy and hash would cost
-what the read saves), at most `entries_max` entries and `bytes_max` bytes of memory kept
-(each entry's `cost`: its payload and what its value keeps alive, e.g. the Arrow arrays of
-a wide table's batch, ~30 KB for one row of 60 columns); the oldest go first. A check
-whose entry is never applied here (a lost leadership, a refused proposal) ages out the same
-way. Any thread: one lock, held for dict operations only.
+Found by the payload's table, length and CRC-32 (zlib-ng: ~1.3 us for 64 KiB), then
+compared byte for byte with the remembered payload (a memcmp), so a collision is only a
+miss. A key of the payload's own bytes cost a copy and a hash of them per look-up (~30 us
+for 64 KiB): payloads above 16 KiB were not kept then.
+
+Bounded: payloads up to `payload_bytes_max` (the leader keeps a copy of each), at most
+`entries_max` entries and `bytes_max` bytes of memory kept (each entry's `cost`: its
+payload and what its value keeps alive, e.g. the Arrow arrays of a wide table's batch,
+~30 KB for one row of 60 columns); the oldest go first. A check whose entry is never
+applied here (a lost leadership, a refused proposal) ages out the same way. Any thread: one
+lock, held for dict operations only.
 """
 
 from __future__ import annotations
@@ -23,8 +29,12 @@ from __future__ import annotations
 import threading
 from typing import Generic, TypeVar
 
+from hastream.checksum import crc32
+
 Owner = TypeVar("Owner")
 Value = TypeVar("Value")
+# (payload, owner, value, cost)
+_Kept = tuple[bytes, Owner, Value, int]
 
 
 class CheckMemo(Generic[Owner, Value]):
@@ -38,8 +48,9 @@ class CheckMemo(Generic[Owner, Value]):
         self._bytes_max = bytes_max
         self.payload_bytes_max = payload_bytes_max
         self._lock = threading.Lock()
-        # (table, payload) -> (owner, value, cost); insertion order is age.
-        self._values: dict[tuple[str, bytes], tuple[Owner, Value, int]] = {}
+        # (table, payload length, payload CRC-32) -> (payload, owner, value, cost);
+        # insertion order is age.
+        self._values: dict[tuple[str, int, int], _Kept[Owner, Value]] = {}
         self._bytes = 0
         self.hits = 0
 
@@ -54,15 +65,15 @@ class CheckMemo(Generic[Owner, Value]):
         assert cost >= len(payload), (cost, len(payload))
         if cost > self._bytes_max:
             return
-        key = (table, payload)
+        key = (table, len(payload), crc32(payload))
         with self._lock:
             replaced = self._values.pop(key, None)
-            if replaced is not None:
-                self._bytes -= replaced[2]
-            self._values[key] = (owner, value, cost)
+            if replaced is not None:  # these bytes again, or a collision: the newest stays
+                self._bytes -= replaced[3]
+            self._values[key] = (payload, owner, value, cost)
             self._bytes += cost
             while len(self._values) > self._entries_max or self._bytes > self._bytes_max:
-                self._bytes -= _pop_oldest(self._values)[2]
+                self._bytes -= _pop_oldest(self._values)[3]
 
     def take(self, table: str, payload: bytes | memoryview, owner: Owner) -> Value | None:
         """The value kept for exactly these bytes of `table` checked against `owner` (and
@@ -72,15 +83,17 @@ class CheckMemo(Generic[Owner, Value]):
         view = memoryview(payload)
         if view.nbytes > self.payload_bytes_max:
             return None
-        key = (table, bytes(view))
+        key = (table, view.nbytes, crc32(view))
         with self._lock:
             kept = self._values.pop(key, None)
             if kept is not None:
-                self._bytes -= kept[2]
-        if kept is None or kept[0] is not owner:
-            return None
+                self._bytes -= kept[3]
+        # The same length (the key's): startswith is a memcmp (memoryview's == compares
+        # byte by byte in a loop, ~2 ms per MiB).
+        if kept is None or kept[1] is not owner or not kept[0].startswith(view):
+            return None  # a collision's check is dropped: its own apply reads its payload
         self.hits += 1
-        return kept[1]
+        return kept[2]
 
     def clear(self) -> None:
         """Forget every check (a leader that steps down: a follower never takes one back, so
@@ -97,8 +110,6 @@ class CheckMemo(Generic[Owner, Value]):
         return self._bytes
 
 
-def _pop_oldest(
-    values: dict[tuple[str, bytes], tuple[Owner, Value, int]],
-) -> tuple[Owner, Value, int]:
+def _pop_oldest(values: dict[tuple[str, int, int], _Kept[Owner, Value]]) -> _Kept[Owner, Value]:
     key = next(iter(values))  # dicts keep insertion order: the first key is the oldest
     return values.pop(key)

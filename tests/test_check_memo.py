@@ -11,6 +11,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from hastream.checksum import crc32
 from hastream.errors import RaftStoreError
 from raftstore import limits
 from raftstore.batch_memory import COLUMN_OVERHEAD_BYTES
@@ -91,6 +92,44 @@ def test_a_check_is_taken_back_once_for_the_same_bytes_and_owner() -> None:
     assert memo.take("t", memoryview(b"xabc")[1:], owner) == "checked"
     assert memo.take("t", b"abc", owner) is None  # taken: forgotten
     assert (len(memo), memo.bytes_kept, memo.hits) == (0, 0, 1)
+
+
+def _colliding(payload: bytes) -> bytes:
+    """Other bytes of the same length and CRC-32 as `payload`: its first byte flipped, its
+    last four solved for (CRC-32 is affine over GF(2) in them: 32 linear equations)."""
+    head = bytes([payload[0] ^ 1]) + payload[1:-4]
+
+    def crc_of(tail: int) -> int:
+        return crc32(head + tail.to_bytes(4, "little"))
+
+    base = crc_of(0)
+    # Each row: the CRC bits a combination of tail bits flips, and that combination.
+    rows = [(crc_of(1 << bit) ^ base, 1 << bit) for bit in range(32)]
+    wanted, solution = crc32(payload) ^ base, 0
+    for bit in range(32):
+        pivot = next(row for row in rows if row[0] >> bit & 1)  # a bijection: always found
+        rows.remove(pivot)
+        rows = [
+            (flips ^ pivot[0], tail ^ pivot[1]) if flips >> bit & 1 else (flips, tail)
+            for flips, tail in rows
+        ]
+        if wanted >> bit & 1:
+            wanted ^= pivot[0]
+            solution ^= pivot[1]
+    return head + solution.to_bytes(4, "little")
+
+
+@pytest.mark.unit
+def test_bytes_of_the_same_length_and_crc_are_a_miss() -> None:
+    memo: CheckMemo[object, str] = CheckMemo(entries_max=4, bytes_max=100, payload_bytes_max=16)
+    owner = object()
+    payload = b"0123456789ab"
+    other = _colliding(payload)
+    assert other != payload
+    assert (len(other), crc32(other)) == (len(payload), crc32(payload))
+    memo.remember("t", payload, owner, "checked", 12)
+    assert memo.take("t", other, owner) is None  # found by its key, refused by its bytes
+    assert (len(memo), memo.bytes_kept, memo.hits) == (0, 0, 0)
 
 
 @pytest.mark.unit
@@ -239,13 +278,13 @@ def test_a_reused_caller_buffer_does_not_change_what_was_kept() -> None:
 def test_a_payload_above_the_memos_size_is_checked_and_read_again() -> None:
     leader = _machine()
     leader.run(_create("t"))
-    payload = _payload(list(range(4000)))
+    payload = _payload(list(range(20_000)))
     assert len(payload) > limits.CHECK_MEMO_PAYLOAD_BYTES_MAX
-    assert leader.machine.validate_append("t", payload) == 4000
+    assert leader.machine.validate_append("t", payload) == 20_000
     assert len(leader.machine.check_memo) == 0
     result = leader.run(_append(("t", payload)))
     assert isinstance(result, AppendResult)
-    assert result.items[0].row_count == 4000
+    assert result.items[0].row_count == 20_000
 
 
 # --- a leader and a follower side by side, over generated sequences ----------------------------
