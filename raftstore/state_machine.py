@@ -279,6 +279,16 @@ class _Checked:
 # An encapsulated IPC message of the current format starts with this (the legacy format,
 # without it, is read too but not stored as sent).
 _CONTINUATION: Final = b"\xff\xff\xff\xff"
+# Payloads up to this size are kept for apply (check_memo.py) whatever their layout; above
+# it, only those that are mostly rows (see validate_publish).
+_MEMO_ANY_PAYLOAD_BYTES_MAX: Final = 16 * 1024
+
+
+def _metadata_bytes(meta: TableMeta) -> int:
+    """About what a one-batch payload of `meta`'s table holds besides its rows' buffers: the
+    schema message, and the batch message's field nodes and buffer entries (16 bytes each,
+    up to three buffers a column), headers and padding."""
+    return len(meta.stream_prefix) + 64 * len(meta.schema) + 64
 
 
 def _read_known_stream(meta: TableMeta, payload: bytes | memoryview) -> _Checked:
@@ -551,10 +561,19 @@ class GroupStateMachine:
         return self.validate_publish(self._state(table).meta, payload)
 
     def validate_publish(self, meta: TableMeta, payload: bytes | memoryview) -> int:
-        """`validate_payload(meta, payload)`, and a small payload's check kept for the apply
-        of the entry that carries it (check_memo.py): the leader reads it once."""
+        """`validate_payload(meta, payload)`, and the check of a payload up to the memo's
+        size kept for the apply of the entry that carries it (check_memo.py): the leader
+        reads it once. Not above 16 KiB for a payload that is mostly Arrow metadata."""
         memo = self.check_memo
+        size = memoryview(payload).nbytes
         if not memo.fits(payload):
+            return validate_payload(meta, payload)
+        if size > _MEMO_ANY_PAYLOAD_BYTES_MAX and 2 * _metadata_bytes(meta) > size:
+            # Mostly Arrow metadata (a wide table's few rows: 22 KB for one row of 211
+            # columns): the row cache, which counts a batch by its buffers, would keep
+            # this copy alive instead of a view of the Raft log's copy of the entry. Kept
+            # for apply, such publishes raised the peak node RSS of bench.throughput's
+            # 211-column cells from 540 to 790-830 MiB (docs/benchmark.md).
             return validate_payload(meta, payload)
         # Immutable bytes (no copy of bytes): the kept batches view them, and a caller's
         # buffer may be reused once the publish is copied into its entry.

@@ -211,7 +211,7 @@ def test_a_wide_tables_kept_checks_count_their_arrow_arrays() -> None:
     schema = pa.schema([(f"c{i}", pa.int32()) for i in range(columns)])
     machine = GroupStateMachine(2)
     machine.apply(1, CreateTable("wide", schema.serialize().to_pybytes(), 100, None, 60))
-    for number in range(300):
+    for number in range(600):
         batch = pa.record_batch([pa.array([number], pa.int32())] * columns, schema=schema)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, schema) as writer:
@@ -222,6 +222,37 @@ def test_a_wide_tables_kept_checks_count_their_arrow_arrays() -> None:
     memo = machine.check_memo
     assert memo.bytes_kept <= limits.CHECK_MEMO_BYTES_MAX
     assert len(memo) < limits.CHECK_MEMO_BYTES_MAX // (columns * COLUMN_OVERHEAD_BYTES)
+
+
+def _ipc(schema: pa.Schema, columns: list[pa.Array]) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(pa.record_batch(columns, schema=schema))
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.mark.unit
+def test_a_payload_above_16_kib_is_kept_only_when_it_is_mostly_rows() -> None:
+    """A 1,000-row publish (64 KiB) is kept; one row of a 211-column table (22 KB, nearly
+    all Arrow metadata) is not: the row cache would keep the copy alive beyond what it
+    counts (peak RSS, docs/benchmark.md)."""
+    narrow = pa.schema([("id", pa.int64()), ("v", pa.int64())])
+    wide = pa.schema([(f"c{i}", pa.int64()) for i in range(211)])
+    machine = GroupStateMachine(2)
+    for lsn, (name, schema) in enumerate((("narrow", narrow), ("wide", wide)), start=1):
+        machine.apply(lsn, CreateTable(name, schema.serialize().to_pybytes(), 100, None, 60))
+    rows = pa.array(range(4_000), pa.int64())
+    many_rows = _ipc(narrow, [rows, rows])
+    one_wide_row = _ipc(wide, [pa.array([1], pa.int64())] * 211)
+    for payload in (many_rows, one_wide_row):
+        assert 16 * 1024 < len(payload) <= limits.CHECK_MEMO_PAYLOAD_BYTES_MAX
+    assert machine.validate_append("narrow", many_rows) == 4_000
+    assert machine.validate_append("wide", one_wide_row) == 1
+    assert len(machine.check_memo) == 1
+    result = machine.apply(3, _append(("narrow", many_rows), ("wide", one_wide_row)))[1]
+    assert isinstance(result, AppendResult)
+    assert [item.row_count for item in result.items] == [4_000, 1]
+    assert (machine.check_memo.hits, len(machine.check_memo)) == (1, 0)
 
 
 # --- through the state machine ------------------------------------------------------------------
