@@ -57,6 +57,10 @@ class Shape:
             raise argparse.ArgumentTypeError(f"{text!r}: expected wait:N or async:N")
         return Shape(wait=kind == "wait", rows=int(rows))
 
+    def __str__(self) -> str:
+        """As `parse` reads it: wait:N or async:N."""
+        return f"{'wait' if self.wait else 'async'}:{self.rows}"
+
 
 @dataclass(frozen=True)
 class Cell:

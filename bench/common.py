@@ -11,6 +11,7 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -407,6 +408,16 @@ def drop_table(cluster: LocalCluster, alias: str, table: str, *, group: int) -> 
         return True
 
     wait_until(drop, timeout_s=120, interval_s=0.5, message=f"drop {table}")
+
+
+def print_report(module: str, argv: Sequence[str] | None, text: str, markdown: str | None) -> None:
+    """Print a benchmark's Markdown `text`; with `markdown`, also write it to that file under
+    the command that made it (`python -m <module> <argv>`)."""
+    print(text, end="")
+    if markdown:
+        command = " ".join(sys.argv[1:] if argv is None else argv)
+        with open(markdown, "w") as out:
+            out.write(f"`python -m {module} {command}`\n\n{text}")
 
 
 def percentile(values: list[float], fraction: float) -> float:

@@ -29,10 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from api_clients import Session
-from bench import common, func_costs_node
-from bench.checkouts_ab import Shape, publish
-from bench.publish_rows import SCHEMA, RowPool, hastream_builder
+from bench import common, func_costs_node, thread_costs
+from bench.checkouts_ab import Shape
 
 HOOK_DIR: Final = Path(__file__).resolve().parent / "func_costs_hook"
 ANSWER_TIMEOUT_S: Final = 10.0
@@ -158,17 +156,7 @@ def measure(shape: Shape, seconds: float, functions: Sequence[str]) -> tuple[str
         with common.bench_cluster(
             purge_interval_s=60, election_timeout_s=1.5, environment=environment
         ) as cluster:
-            table = "func_costs"
-            cluster.create_table(table, SCHEMA, group=common.HA_GROUP)
-            session = Session([node.site for node in cluster.nodes.values()])
-            session.getStreamingLeader(common.HA_GROUP)
-            leader = cluster.leader(common.HA_GROUP)
-            pids = {
-                f"{'leader' if alias == leader else 'follower'} {alias}": pid
-                for alias, pid in sorted(
-                    common.node_pids(cluster).items(), key=lambda item: (item[0] != leader, item)
-                )
-            }
+            pids = thread_costs.node_processes(cluster)
             requests = Requests(directory, pids)
             reports: list[dict[str, dict[str, object]]] = []
             cpu: list[dict[str, float]] = []
@@ -177,16 +165,11 @@ def measure(shape: Shape, seconds: float, functions: Sequence[str]) -> tuple[str
                 reports.append(requests.ask())
                 cpu.append({process: common.cpu_seconds(pid) for process, pid in pids.items()})
 
-            try:
-                build = hastream_builder(RowPool.make(), shape.rows)
-                cell = publish(session, table, shape, build, seconds, between=sample)
-            finally:
-                session.close()
-    appends = cell.rows // shape.rows - 1  # the samples are taken around all but the warm-up
+            cell = thread_costs.publish_cell(cluster, "func_costs", shape, seconds, sample)
+    appends = thread_costs.timed_appends(cell, shape)
     (before, after), (cpu_before, cpu_after) = reports, cpu
     header = (
-        f"shape {'wait' if shape.wait else 'async'}:{shape.rows}: {appends:,} appends, "
-        f"{cell.rows_per_s:,.0f} rows/s, "
+        f"shape {shape}: {appends:,} appends, {cell.rows_per_s:,.0f} rows/s, "
         f"code {common.code_version()}"
     )
     return header, [
@@ -242,11 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.seconds <= 0:
         parser.error("--seconds > 0")
     header, nodes = measure(args.shape, args.seconds, args.functions)
-    text = report(header, nodes)
-    print(text, end="")
-    if args.markdown:
-        with open(args.markdown, "w") as out:
-            out.write(f"`python -m bench.func_costs {' '.join(argv or sys.argv[1:])}`\n\n{text}")
+    common.print_report("bench.func_costs", argv, report(header, nodes), args.markdown)
     return 0
 
 

@@ -335,12 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     except PerfUnavailable as error:
         print(f"cannot record: {error}", file=sys.stderr)
         return 2
-    text = report(args.shape, recording)
-    print(text, end="")
-    if args.markdown:
-        with open(args.markdown, "w") as out:
-            command = " ".join(argv or sys.argv[1:])
-            out.write(f"`python -m bench.sched_wakeups {command}`\n\n{text}")
+    common.print_report("bench.sched_wakeups", argv, report(args.shape, recording), args.markdown)
     return 0
 
 

@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Final
@@ -117,20 +117,40 @@ def costs(
     return sorted(result, key=lambda cost: (-cost.cpu_us, -cost.switches, cost.thread))
 
 
-def measure(cluster: LocalCluster, shape: Shape, seconds: float) -> tuple[Cell, list[ThreadCost]]:
-    """One cell on `cluster` (bench.checkouts_ab's loop): its numbers and every thread's
-    cost per timed append."""
-    table = "thread_costs"
-    cluster.create_table(table, SCHEMA, group=common.HA_GROUP)
-    session = Session([node.site for node in cluster.nodes.values()])
-    session.getStreamingLeader(common.HA_GROUP)
+def node_processes(cluster: LocalCluster) -> dict[str, int]:
+    """ "leader nodeN" / "follower nodeN" -> pid of the HA group's nodes, the leader first."""
     leader = cluster.leader(common.HA_GROUP)
     pids = common.node_pids(cluster)
-    pids = {
+    return {
         f"{'leader' if alias == leader else 'follower'} {alias}": pids[alias]
         for alias in sorted(pids, key=lambda alias: (alias != leader, alias))
     }
-    pids["client"] = os.getpid()
+
+
+def publish_cell(
+    cluster: LocalCluster,
+    table: str,
+    shape: Shape,
+    seconds: float,
+    between: Callable[[], None],
+) -> Cell:
+    """Create `table` and publish `shape` into it for `seconds` with bench.checkouts_ab's
+    loop (one Publisher of this process); `between` runs after the warm-up append and after
+    the last acknowledgement (`timed_appends` lie between)."""
+    cluster.create_table(table, SCHEMA, group=common.HA_GROUP)
+    session = Session([node.site for node in cluster.nodes.values()])
+    try:
+        session.getStreamingLeader(common.HA_GROUP)
+        build = hastream_builder(RowPool.make(), shape.rows)
+        return publish(session, table, shape, build, seconds, between=between)
+    finally:
+        session.close()
+
+
+def measure(cluster: LocalCluster, shape: Shape, seconds: float) -> tuple[Cell, list[ThreadCost]]:
+    """One cell on `cluster` (bench.checkouts_ab's loop): its numbers and every thread's
+    cost per timed append."""
+    pids = {**node_processes(cluster), "client": os.getpid()}
     samples: list[dict[str, dict[int, ThreadCounters]]] = []
     names: dict[str, dict[int, str]] = {}
 
@@ -139,11 +159,7 @@ def measure(cluster: LocalCluster, shape: Shape, seconds: float) -> tuple[Cell, 
         if len(samples) == 2:  # the end, with the client's publishing threads still alive
             names.update({process: thread_names(pid) for process, pid in pids.items()})
 
-    try:
-        build = hastream_builder(RowPool.make(), shape.rows)
-        cell = publish(session, table, shape, build, seconds, between=sample)
-    finally:
-        session.close()
+    cell = publish_cell(cluster, "thread_costs", shape, seconds, sample)
     appends = timed_appends(cell, shape)
     before, after = samples
     result: list[ThreadCost] = []
@@ -166,10 +182,9 @@ def thread_names(pid: int) -> dict[int, str]:
 
 def report(shape: Shape, cell: Cell, thread_costs: Sequence[ThreadCost]) -> str:
     """The Markdown tables: per process, its notable threads and its totals."""
-    kind = "wait" if shape.wait else "async"
     appends = timed_appends(cell, shape)
     lines = [
-        f"shape {kind}:{shape.rows}: {appends:,} appends, {cell.rows_per_s:,.0f} rows/s"
+        f"shape {shape}: {appends:,} appends, {cell.rows_per_s:,.0f} rows/s"
         + (f", p50 {cell.p50_ms:.2f} ms" if cell.p50_ms is not None else "")
         + f"; client main thread per append: building the rows {cell.build_cpu_us:.0f} us CPU,"
         f" the {'append' if shape.wait else 'append_async'} call {cell.call_cpu_us:.0f} us CPU;"
@@ -209,11 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seconds > 0")
     with common.bench_cluster(purge_interval_s=60, election_timeout_s=1.5) as cluster:
         cell, thread_costs = measure(cluster, args.shape, args.seconds)
-    text = report(args.shape, cell, thread_costs)
-    print(text, end="")
-    if args.markdown:
-        with open(args.markdown, "w") as out:
-            out.write(f"`python -m bench.thread_costs {' '.join(argv or sys.argv[1:])}`\n\n{text}")
+    common.print_report(
+        "bench.thread_costs", argv, report(args.shape, cell, thread_costs), args.markdown
+    )
     return 0
 
 

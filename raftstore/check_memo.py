@@ -27,14 +27,19 @@ lock, held for dict operations only.
 from __future__ import annotations
 
 import threading
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from hastream.checksum import crc32
 
 Owner = TypeVar("Owner")
 Value = TypeVar("Value")
-# (payload, owner, value, cost)
-_Kept = tuple[bytes, Owner, Value, int]
+
+
+class _Kept(NamedTuple, Generic[Owner, Value]):
+    payload: bytes  # compared with the entry's bytes on a take
+    owner: Owner
+    value: Value
+    cost: int  # bytes of memory it keeps alive
 
 
 class CheckMemo(Generic[Owner, Value]):
@@ -48,8 +53,7 @@ class CheckMemo(Generic[Owner, Value]):
         self._bytes_max = bytes_max
         self.payload_bytes_max = payload_bytes_max
         self._lock = threading.Lock()
-        # (table, payload length, payload CRC-32) -> (payload, owner, value, cost);
-        # insertion order is age.
+        # (table, payload length, payload CRC-32) -> what was kept; insertion order is age.
         self._values: dict[tuple[str, int, int], _Kept[Owner, Value]] = {}
         self._bytes = 0
         self.hits = 0
@@ -69,11 +73,11 @@ class CheckMemo(Generic[Owner, Value]):
         with self._lock:
             replaced = self._values.pop(key, None)
             if replaced is not None:  # these bytes again, or a collision: the newest stays
-                self._bytes -= replaced[3]
-            self._values[key] = (payload, owner, value, cost)
+                self._bytes -= replaced.cost
+            self._values[key] = _Kept(payload, owner, value, cost)
             self._bytes += cost
             while len(self._values) > self._entries_max or self._bytes > self._bytes_max:
-                self._bytes -= _pop_oldest(self._values)[3]
+                self._bytes -= _pop_oldest(self._values).cost
 
     def take(self, table: str, payload: bytes | memoryview, owner: Owner) -> Value | None:
         """The value kept for exactly these bytes of `table` checked against `owner` (and
@@ -87,13 +91,13 @@ class CheckMemo(Generic[Owner, Value]):
         with self._lock:
             kept = self._values.pop(key, None)
             if kept is not None:
-                self._bytes -= kept[3]
+                self._bytes -= kept.cost
         # The same length (the key's): startswith is a memcmp (memoryview's == compares
         # byte by byte in a loop, ~2 ms per MiB).
-        if kept is None or kept[1] is not owner or not kept[0].startswith(view):
+        if kept is None or kept.owner is not owner or not kept.payload.startswith(view):
             return None  # a collision's check is dropped: its own apply reads its payload
         self.hits += 1
-        return kept[2]
+        return kept.value
 
     def clear(self) -> None:
         """Forget every check (a leader that steps down: a follower never takes one back, so

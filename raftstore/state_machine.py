@@ -566,7 +566,7 @@ class GroupStateMachine:
         reads it once. Not above 16 KiB for a payload that is mostly Arrow metadata."""
         memo = self.check_memo
         size = memoryview(payload).nbytes
-        if not memo.fits(payload):
+        if size > memo.payload_bytes_max:
             return validate_payload(meta, payload)
         if size > _MEMO_ANY_PAYLOAD_BYTES_MAX and 2 * _metadata_bytes(meta) > size:
             # Mostly Arrow metadata (a wide table's few rows: 22 KB for one row of 211

@@ -27,7 +27,8 @@ class _Target:
 
 @pytest.fixture
 def restored(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The wrapped method is put back after the test."""
+    """The test's own method, which `wrap` replaces for real, is put back after the test
+    (monkeypatch only restores; nothing stands in for a node, the disk or a cluster)."""
     monkeypatch.setattr(_Target, "work", _Target.__dict__["work"])
 
 
