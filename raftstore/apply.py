@@ -89,6 +89,9 @@ class ApplierSettings:
     data_dir: Path  # persistenceDir/group-<id>
     dedup_window_rows: int = limits.DEDUP_WINDOW_ROWS
     files: Files = REAL_FILES  # the disk (a simulated one in tests)
+    # The key of the leader's seals on checked payloads (checked_payload.py); None: none
+    # made or trusted, every payload read.
+    seal_key: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -176,7 +179,12 @@ class Applier:
         ensure_dir(self._files, self._data_dir, root=self._data_dir)
 
     def _new_machine(self) -> GroupStateMachine:
-        return GroupStateMachine(self.group_id, dedup_window_rows=self._settings.dedup_window_rows)
+        settings = self._settings
+        return GroupStateMachine(
+            self.group_id,
+            dedup_window_rows=settings.dedup_window_rows,
+            seal_key=settings.seal_key,
+        )
 
     # --- ApplyHooks (apply thread) ------------------------------------------------------
 
@@ -278,7 +286,7 @@ class Applier:
         if store is None:
             raise _TableDamaged(effect.table, "no open data files")
         first = effect.first_offset
-        end = first + effect.batch.num_rows
+        end = first + effect.row_count
         have = store.row_count
         if first > have:
             raise _RowsMissing(effect.table, have, first)
@@ -295,7 +303,13 @@ class Applier:
                 effect.table, f"rows [{first},{end}) straddle the end of the files ({have})"
             )
         try:
-            store.append(effect.lsn, first, effect.batch, effect.timestamp_ms, effect.encoded)
+            if effect.batch is None:  # a sealed publish taken unread (checked_payload.py)
+                assert effect.encoded is not None
+                store.append_unread(
+                    effect.lsn, first, effect.unread_rows, effect.encoded, effect.timestamp_ms
+                )
+            else:
+                store.append(effect.lsn, first, effect.batch, effect.timestamp_ms, effect.encoded)
         except CorruptionError as error:  # a failed write that could not be cut back
             self._reopen(effect.table, store, error)
             raise OSError(f"write to {effect.table} failed: {error.detail}") from error
@@ -906,6 +920,8 @@ class Applier:
             # and how many applies took one back instead of reading the payload again.
             "payload_checks_kept": len(self._machine.check_memo),
             "payload_checks_reused": self._machine.check_memo.hits,
+            # Sealed publishes (checked_payload.py) applied without reading the payload.
+            "payload_seals_taken": self._machine.seals_taken,
             "table_stats": tables,
         }
 

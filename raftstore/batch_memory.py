@@ -18,3 +18,9 @@ def cached_bytes(batch: pa.RecordBatch) -> int:
     buffers: int = batch.get_total_buffer_size()
     columns: int = batch.num_columns
     return buffers + BATCH_OVERHEAD_BYTES + COLUMN_OVERHEAD_BYTES * columns
+
+
+def encoded_cached_bytes(message_bytes: int, columns: int) -> int:
+    """`cached_bytes` of a batch cached as its IPC message, decoded on its first read: its
+    buffers view the message, which holds them and their metadata."""
+    return message_bytes + BATCH_OVERHEAD_BYTES + COLUMN_OVERHEAD_BYTES * columns

@@ -196,6 +196,8 @@ class Batcher:
         size = 0
         while self._queue and len(batch) < limits.ENTRY_ITEMS_MAX:
             item, future = self._queue[0]
+            # The MiB left covers the items' framing and seals (checked_payload.py: 44
+            # bytes each; ENTRY_ITEMS_MAX of them with their headers take ~0.6 MiB).
             if batch and size + len(item.payload) > limits.ENTRY_BYTES_MAX - limits.MIB:
                 break
             self._queue.popleft()

@@ -39,6 +39,11 @@ does not know kind 7 cannot apply it: upgrade every node before clients publish 
 
 The encoding is canonical: `encode(decode(data)) == data` for every `data` that decodes
 (so an APPEND_FLAGGED entry without any flagged item is refused).
+
+A payload blob may end with the proposing leader's seal (an item's `seal`, written after its
+payload inside the blob; checked_payload.py): not a field of the encoding, a decoded item's
+payload holds it, and a node that does not know seals reads the payload only up to its
+Arrow end-of-stream marker, which a sealed payload ends with.
 Pure: no I/O; safe on any thread.
 """
 
@@ -146,6 +151,9 @@ class AppendItem:
     # refused (SequenceGap) instead of applied, so a resend of a failed request can never
     # land after a later one (state_machine.py). Ignored without a producer_id.
     contiguous: bool = False
+    # The leader's seal on the payload it checked (checked_payload.py), written right after
+    # it inside the same blob: a decoded item's `payload` holds both, and this is b"".
+    seal: bytes = b""
 
 
 @entry_value
@@ -249,7 +257,10 @@ def _string(text: str) -> bytes:
 
 
 def _blob_length(blob: bytes | memoryview) -> bytes:
-    size = memoryview(blob).nbytes
+    return _blob_length_of(memoryview(blob).nbytes)
+
+
+def _blob_length_of(size: int) -> bytes:
     if size > _BLOB_BYTES_MAX:
         raise _invalid(f"blob of {size} bytes > {_BLOB_BYTES_MAX}")
     return _U32.pack(size)
@@ -275,6 +286,11 @@ def _encode_item(item: AppendItem, parts: list[bytes | memoryview], *, flagged: 
     parts.append(_pack(_U64, item.sequence, "sequence"))
     if flagged:
         parts.append(_U8.pack(_FLAG_CONTIGUOUS if item.contiguous else 0))
+    if item.seal:
+        parts.append(_blob_length_of(memoryview(item.payload).nbytes + len(item.seal)))
+        parts.append(item.payload)
+        parts.append(item.seal)
+        return
     parts.append(_blob_length(item.payload))
     parts.append(item.payload)
 
@@ -292,6 +308,7 @@ def encoded_item_bytes(item: AppendItem, *, flagged: bool | None = None) -> int:
         + (_U8.size if flagged else 0)
         + _U32.size
         + memoryview(item.payload).nbytes
+        + len(item.seal)
     )
 
 

@@ -272,7 +272,12 @@ class Group:
         self.require_leader(wait=wait)
         # No lock: validation reads only immutable table metadata (state_machine.py), and a
         # lock here would stall the apply thread behind Arrow checks.
-        self.applier.machine.validate_append(item.table, item.payload)
+        machine = self.applier.machine
+        seal = machine.validate_publish(machine.table_meta(item.table), item.payload).seal
+        if seal:
+            item = commands.AppendItem(
+                item.table, item.producer_id, item.sequence, item.payload, item.contiguous, seal
+            )
         size = len(item.payload)  # group commit releases the payload once it is copied
         return PendingPublish(item.table, size, started_s, self._batcher.submit(item))
 

@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2
 
 from hastream.errors import RaftStoreError, UnknownGroup
 from hastream.model import LOCAL_GROUP, NodeAddress
-from raftstore import allocator, identity, limits, node_tls, passwords, trace
+from raftstore import allocator, checked_payload, identity, limits, node_tls, passwords, trace
 from raftstore.apply import REPAIR_DIR, Applier, ApplierSettings
 from raftstore.auth import Authenticator, Tokens, bootstrap_password, token_key
 from raftstore.batcher import Batcher
@@ -103,6 +103,7 @@ class Node:
         self._groups: dict[int, Group] = {}
         key = peer_key(cluster.raft_secret)
         self.peer_verifier = PeerVerifier(key)
+        self._seal_key = checked_payload.seal_key(key)
         self.authenticator = Authenticator(
             enabled=cluster.authentication,
             tokens=Tokens(token_key(cluster.raft_secret)),
@@ -223,7 +224,7 @@ class Node:
             peers,
             spawn=self._threads.start,
         )
-        settings = ApplierSettings(group_id=group_id, data_dir=data_dir)
+        settings = ApplierSettings(group_id=group_id, data_dir=data_dir, seal_key=self._seal_key)
         return Applier(settings, repairer, Retention(), cache_budget=self._cache_budget)
 
     def _start_local_group(self) -> None:

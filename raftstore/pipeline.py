@@ -333,13 +333,14 @@ def _item(request: StreamedPublish, target: _Target) -> commands.AppendItem:
     `validate_payload` raises."""
     if len(request.producer_id) != commands.PRODUCER_ID_BYTES:
         raise InvalidArgument("producer_id", "PublishStream needs a 16-byte producer_id")
-    target.group.applier.machine.validate_publish(target.meta, request.payload)
+    validated = target.group.applier.machine.validate_publish(target.meta, request.payload)
     return commands.AppendItem(
         table=request.table,
         producer_id=request.producer_id,
         sequence=request.sequence,
         payload=request.payload,
         contiguous=True,
+        seal=validated.seal,
     )
 
 

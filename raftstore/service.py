@@ -286,7 +286,7 @@ def _messages(slices: list[RowSlice], table_row_count: int) -> Iterator[pb.RowBa
 def _message(group: list[RowSlice], table_row_count: int) -> pb.RowBatch:
     return pb.RowBatch(
         first_offset=group[0].first_offset,
-        row_count=sum(rows.batch.num_rows for rows in group),
+        row_count=sum(rows.row_count for rows in group),
         payload=_ipc_stream(group),
         table_row_count=table_row_count,
         slice_offsets=[rows.first_offset for rows in group],
@@ -592,7 +592,7 @@ class StreamTableService(hastream_pb2_grpc.StreamTableServicer):
                 if not slices:
                     break
                 yield from _messages(slices, store.row_count)
-                position = slices[-1].first_offset + slices[-1].batch.num_rows
+                position = slices[-1].first_offset + slices[-1].row_count
 
     @unary
     def GetOffsetForTime(self, request: pb.OffsetForTimeRequest, context: Any) -> pb.OffsetForTime:

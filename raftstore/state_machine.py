@@ -23,7 +23,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import pyarrow as pa
 
@@ -38,7 +38,7 @@ from hastream.errors import (
     TableNotFound,
     TopicNotFound,
 )
-from raftstore import limits
+from raftstore import checked_payload, limits
 from raftstore.access import AccessControl
 from raftstore.batch_memory import cached_bytes
 from raftstore.check_memo import CheckMemo
@@ -131,11 +131,19 @@ class AppendRecords:
     table: str
     lsn: int
     first_offset: int
-    batch: pa.RecordBatch
+    batch: pa.RecordBatch | None
     timestamp_ms: int
     # The batch as an encapsulated IPC message, when the publish carried it so (a view of
     # the entry's bytes): the data file writes it instead of serializing the batch again.
     encoded: memoryview | None = None
+    # The rows of a sealed publish taken unread (checked_payload.py): then `batch` is None,
+    # `encoded` holds them, and whoever needs the batch decodes `encoded` (the row cache, on
+    # a subscriber's first read of it).
+    unread_rows: int = 0
+
+    @property
+    def row_count(self) -> int:
+        return self.batch.num_rows if self.batch is not None else self.unread_rows
 
 
 Effect = CreateTableFiles | DropTableFiles | AppendRecords
@@ -173,6 +181,13 @@ class CommandResult:
     lsn: int
     error: RaftStoreError | None
     offset: int | None = None
+
+
+class Validated(NamedTuple):
+    """A publish checked by its leader: its rows, and the seal to propose after it."""
+
+    rows: int
+    seal: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +289,7 @@ class _Checked:
 
     batches: list[pa.RecordBatch]
     sent: memoryview | None = None
+    sent_at: int = 0  # where `sent` starts in the payload
 
 
 # An encapsulated IPC message of the current format starts with this (the legacy format,
@@ -300,6 +316,7 @@ def _read_known_stream(meta: TableMeta, payload: bytes | memoryview) -> _Checked
     reader = pa.BufferReader(pa.py_buffer(view))
     batches: list[pa.RecordBatch] = []
     sent: memoryview | None = None
+    sent_at = 0
     try:
         while reader.tell() < reader.size():  # bounded: every message advances the reader
             start = reader.tell()
@@ -314,11 +331,12 @@ def _read_known_stream(meta: TableMeta, payload: bytes | memoryview) -> _Checked
                 batch.validate(full=True)  # see _read_stream
                 batches.append(batch)
                 sent = view[start : reader.tell()]
+                sent_at = prefix + start
     except _ARROW_ERRORS as error:
         raise InvalidArgument("payload", f"not a valid Arrow IPC stream: {error}") from None
     if len(batches) != 1 or sent is None or bytes(sent[:4]) != _CONTINUATION:
         sent = None  # several batches are combined on apply; a legacy-format message is rebuilt
-    return _Checked(batches, sent)
+    return _Checked(batches, sent, sent_at)
 
 
 def _read_stream(payload: bytes | memoryview) -> tuple[pa.Schema, list[pa.RecordBatch]]:
@@ -414,18 +432,22 @@ def _validated(meta: TableMeta, payload: bytes | memoryview) -> tuple[int, _Chec
     return rows, checked
 
 
-def _merged(appends: list[tuple[AppendRecords, int]]) -> list[AppendRecords]:
+def _merged(
+    appends: list[tuple[AppendRecords, int]], tables: dict[str, _Table]
+) -> list[AppendRecords]:
     """The appends of one entry (each with a bound on its bytes) with each table's
     consecutive small batches joined into one (offsets of one table are contiguous within an
     entry), up to _MERGE_BYTES_MAX each: one data-file record instead of one per 1-row
-    publish. Order per table is kept."""
+    publish. Order per table is kept. A sealed batch taken unread is read (with its table's
+    schema, from `tables`) to be joined: records are the same on every replica (digest.py),
+    whether it read the payload or not."""
     runs: dict[str, list[tuple[list[AppendRecords], int]]] = {}
     for append, size in appends:
         table_runs = runs.setdefault(append.table, [])
         if table_runs:
             run, run_size = table_runs[-1]
             last = run[-1]
-            assert append.first_offset == last.first_offset + last.batch.num_rows, "contiguous"
+            assert append.first_offset == last.first_offset + last.row_count, "contiguous"
             if run_size + size <= _MERGE_BYTES_MAX:
                 run.append(append)
                 table_runs[-1] = (run, run_size + size)
@@ -438,11 +460,22 @@ def _merged(appends: list[tuple[AppendRecords, int]]) -> list[AppendRecords]:
             if len(run) == 1:
                 merged.append(first)
                 continue
-            batch = pa.concat_batches([part.batch for part in run])
+            batch = pa.concat_batches([_batch_of(part, tables) for part in run])
             merged.append(
                 AppendRecords(first.table, first.lsn, first.first_offset, batch, first.timestamp_ms)
             )
     return merged
+
+
+def _batch_of(append: AppendRecords, tables: dict[str, _Table]) -> pa.RecordBatch:
+    if append.batch is not None:
+        return append.batch
+    assert append.encoded is not None, "an unread batch is its message"
+    # No validation: the payload passed the leader's, sealed (checked_payload.py).
+    schema = tables[append.table].meta.schema
+    batch = pa.ipc.read_record_batch(pa.py_buffer(append.encoded), schema)
+    assert isinstance(batch, pa.RecordBatch)
+    return batch
 
 
 def _item_error(table: str, error: RaftStoreError) -> ItemResult:
@@ -467,12 +500,17 @@ class GroupStateMachine:
         *,
         dedup_window_rows: int = limits.DEDUP_WINDOW_ROWS,
         producers_max: int = limits.PRODUCERS_MAX,
+        seal_key: bytes | None = None,
     ) -> None:
+        """`seal_key`: the key of the seals on checked payloads (checked_payload.py); None
+        seals nothing and reads every payload (the result is the same)."""
         assert dedup_window_rows >= 1, dedup_window_rows
         assert producers_max >= 1, producers_max
         self._group_id = group_id
         self._dedup_window_rows = dedup_window_rows
         self._producers_max = producers_max
+        self._seal_key = seal_key
+        self.seals_taken = 0  # sealed payloads applied without reading them
         self._lsn_applied = 0
         self._tables: dict[str, _Table] = {}
         self._topics: dict[str, int] = {}
@@ -558,30 +596,56 @@ class GroupStateMachine:
     def validate_append(self, table: str, payload: bytes | memoryview) -> int:
         """Row count of a publish, checked before it is proposed. Raises TableNotFound, or
         what `validate_payload` raises."""
-        return self.validate_publish(self._state(table).meta, payload)
+        return self.validate_publish(self._state(table).meta, payload).rows
 
-    def validate_publish(self, meta: TableMeta, payload: bytes | memoryview) -> int:
-        """`validate_payload(meta, payload)`, and the check of a payload up to the memo's
-        size kept for the apply of the entry that carries it (check_memo.py): the leader
-        reads it once. Not above 16 KiB for a payload that is mostly Arrow metadata."""
+    def table_meta(self, table: str) -> TableMeta:
+        """Raises TableNotFound."""
+        return self._state(table).meta
+
+    def validate_publish(self, meta: TableMeta, payload: bytes | memoryview) -> Validated:
+        """`validate_payload(meta, payload)`'s rows, and the seal to propose after the
+        payload (checked_payload.py; b"" when it cannot be sealed). The check of a payload up
+        to the memo's size is kept for the apply of the entry that carries it
+        (check_memo.py): the leader reads it once. Not above 16 KiB for a payload that is
+        mostly Arrow metadata."""
         memo = self.check_memo
         size = memoryview(payload).nbytes
-        if size > memo.payload_bytes_max:
-            return validate_payload(meta, payload)
-        if size > _MEMO_ANY_PAYLOAD_BYTES_MAX and 2 * _metadata_bytes(meta) > size:
+        if size > memo.payload_bytes_max or (
             # Mostly Arrow metadata (a wide table's few rows: 22 KB for one row of 211
             # columns): the row cache, which counts a batch by its buffers, would keep
             # this copy alive instead of a view of the Raft log's copy of the entry. Kept
             # for apply, such publishes raised the peak node RSS of bench.throughput's
             # 211-column cells from 540 to 790-830 MiB (docs/benchmark.md).
-            return validate_payload(meta, payload)
+            size > _MEMO_ANY_PAYLOAD_BYTES_MAX and 2 * _metadata_bytes(meta) > size
+        ):
+            rows, checked = _validated(meta, payload)
+            return Validated(rows, self._seal(meta, payload, rows, checked))
         # Immutable bytes (no copy of bytes): the kept batches view them, and a caller's
         # buffer may be reused once the publish is copied into its entry.
         kept = bytes(payload)
         rows, checked = _validated(meta, kept)
         cost = len(kept) + sum(cached_bytes(batch) for batch in checked.batches)
         memo.remember(meta.table, kept, meta, checked, cost)
-        return rows
+        return Validated(rows, self._seal(meta, kept, rows, checked))
+
+    def _seal(
+        self, meta: TableMeta, payload: bytes | memoryview, rows: int, checked: _Checked
+    ) -> bytes:
+        """The seal of a checked payload, or b"" where a replica must read it: no key; a
+        keyed table (apply needs the keys); a payload not of one current-format record batch
+        message (apply combines batches, or rebuilds a legacy message); one that does not end
+        with the end-of-stream marker (a node that does not know seals would read the seal
+        as the next message)."""
+        key = self._seal_key
+        sent = checked.sent
+        if key is None or meta.key_column is not None or sent is None:
+            return b""
+        if bytes(memoryview(payload)[-len(_END_OF_STREAM) :]) != _END_OF_STREAM:
+            return b""
+        found = checked_payload.Seal(rows, checked.sent_at, checked.sent_at + sent.nbytes)
+        return checked_payload.seal(
+            key, self._group_id, meta.table, meta.created_lsn, payload, found
+        )
 
     # -- apply -----------------------------------------------------------------------
 
@@ -691,7 +755,7 @@ class GroupStateMachine:
         items = tuple(
             self._apply_item(lsn, command.timestamp_ms, item, appends) for item in command.items
         )
-        effects += _merged(appends)
+        effects += _merged(appends, self._tables)
         return AppendResult(lsn, items)
 
     def _apply_item(
@@ -706,9 +770,18 @@ class GroupStateMachine:
         state = self._tables.get(item.table)
         if state is None:
             return _item_error(item.table, TableNotFound(item.table))
-        checked = self.check_memo.take(item.table, item.payload, state.meta)
-        if checked is None:  # not checked here before (a follower), or forgotten
+        payload = item.payload
+        sealed = None
+        if self._seal_key is not None and state.meta.key_column is None:
+            sealed = checked_payload.opened(
+                self._seal_key, self._group_id, item.table, state.meta.created_lsn, payload
+            )
+            if sealed is not None:
+                payload = sealed[0]
+        checked = self.check_memo.take(item.table, payload, state.meta)
+        if checked is None and sealed is None:  # not checked here before, nor sealed
             try:
+                # The whole blob, whatever its end holds: as a node that knows no seals.
                 checked = _check_payload(state.meta, item.payload)
             except (InvalidArgument, SchemaMismatch) as error:
                 return _item_error(item.table, error)
@@ -719,7 +792,20 @@ class GroupStateMachine:
         first_offset = state.row_count
         kept = 0
         duplicates = 0
-        if checked.batches:
+        if checked is None:
+            assert sealed is not None
+            # Checked by the leader against this incarnation, and no dedup key: the rows
+            # and the message are the seal's, the same as a read would find.
+            payload, found = sealed
+            self.seals_taken += 1
+            kept = found.rows
+            message = payload[found.start : found.end]
+            append = AppendRecords(
+                item.table, lsn, first_offset, None, timestamp_ms, message, unread_rows=kept
+            )
+            effects.append((append, memoryview(item.payload).nbytes))
+            self._advance(state, lsn, kept)
+        elif checked.batches:
             try:
                 batch = _combine(state.meta, checked.batches)
             except InvalidArgument as error:

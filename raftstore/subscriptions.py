@@ -62,7 +62,7 @@ def follow(
         slices = store.read(position, store.row_count, rows_max)
         if slices:
             last = slices[-1]
-            position = last.first_offset + last.batch.num_rows
+            position = last.first_offset + last.row_count
             yield slices
             sent_at = time.monotonic()
             continue

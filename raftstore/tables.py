@@ -15,23 +15,65 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from raftstore.batch_memory import cached_bytes
+from raftstore.batch_memory import cached_bytes, encoded_cached_bytes
 from raftstore.cache_budget import CacheBudget, CacheEntry
 from raftstore.state_machine import TableMeta
 from raftstore.storage.files import REAL_FILES, Files
 from raftstore.storage.segments import DataRecord, TableLog
-from raftstore.values import entry_value
 
 log = logging.getLogger(__name__)
 
 
-@entry_value
 class RowSlice:
-    """Rows [first_offset, first_offset + batch.num_rows) of a table, stamped together."""
+    """Rows [first_offset, first_offset + row_count) of a table, stamped together
+    (`timestamp_ms`: when the leader proposed them, ms since the epoch).
 
-    first_offset: int
-    batch: pa.RecordBatch
-    timestamp_ms: int  # when the leader proposed them (ms since the epoch)
+    `batch` is the rows; a slice cached from a sealed publish that apply took unread
+    (checked_payload.py) holds only their IPC message and decodes it on the first read
+    (any thread; two racing first reads decode it twice, and either result is the same)."""
+
+    __slots__ = ("_batch", "_message", "_schema", "first_offset", "row_count", "timestamp_ms")
+
+    def __init__(self, first_offset: int, batch: pa.RecordBatch, timestamp_ms: int) -> None:
+        self.first_offset = first_offset
+        self.row_count: int = batch.num_rows
+        self.timestamp_ms = timestamp_ms
+        self._batch: pa.RecordBatch | None = batch
+        self._message: memoryview | None = None
+        self._schema: pa.Schema | None = None
+
+    @classmethod
+    def unread(
+        cls,
+        first_offset: int,
+        row_count: int,
+        message: memoryview,
+        schema: pa.Schema,
+        timestamp_ms: int,
+    ) -> RowSlice:
+        rows = cls.__new__(cls)
+        rows.first_offset = first_offset
+        rows.row_count = row_count
+        rows.timestamp_ms = timestamp_ms
+        rows._batch = None
+        rows._message = message
+        rows._schema = schema
+        return rows
+
+    @property
+    def batch(self) -> pa.RecordBatch:
+        batch = self._batch
+        if batch is None:
+            assert self._message is not None
+            assert self._schema is not None
+            # Not validated again: the leader validated the payload before sealing it.
+            batch = pa.ipc.read_record_batch(pa.py_buffer(self._message), self._schema)
+            assert batch.num_rows == self.row_count, (batch.num_rows, self.row_count)
+            self._batch = batch
+        return batch
+
+    def __repr__(self) -> str:
+        return f"RowSlice(first_offset={self.first_offset}, rows={self.row_count})"
 
 
 class TableStore:
@@ -70,20 +112,37 @@ class TableStore:
         rows). Raises OSError from the disk (nothing written), CorruptionError if an earlier
         failed write could not be undone."""
         payload = memoryview(batch.serialize()) if encoded is None else encoded
-        self.log.append(
-            DataRecord(
-                lsn=lsn,
-                first_offset=first_offset,
-                row_count=batch.num_rows,
-                timestamp_ms=timestamp_ms,
-                payload=payload,
-            )
+        self._write(lsn, first_offset, batch.num_rows, payload, timestamp_ms)
+        self._cache_rows_of(RowSlice(first_offset, batch, timestamp_ms), cached_bytes(batch))
+
+    def append_unread(
+        self,
+        lsn: int,
+        first_offset: int,
+        row_count: int,
+        encoded: memoryview,
+        timestamp_ms: int,
+    ) -> None:
+        """`append` for rows given only as their encapsulated IPC message (a sealed publish
+        that apply took unread): written as they are, cached undecoded."""
+        self._write(lsn, first_offset, row_count, encoded, timestamp_ms)
+        rows = RowSlice.unread(first_offset, row_count, encoded, self.meta.schema, timestamp_ms)
+        self._cache_rows_of(rows, encoded_cached_bytes(encoded.nbytes, len(self.meta.schema)))
+
+    def _write(
+        self, lsn: int, first_offset: int, row_count: int, payload: memoryview, timestamp_ms: int
+    ) -> None:
+        record = DataRecord(
+            lsn=lsn,
+            first_offset=first_offset,
+            row_count=row_count,
+            timestamp_ms=timestamp_ms,
+            payload=payload,
         )
-        entry = CacheEntry(
-            RowSlice(first_offset, batch, timestamp_ms),
-            cached_bytes(batch),
-            self._evict,
-        )
+        self.log.append(record)
+
+    def _cache_rows_of(self, rows: RowSlice, cost: int) -> None:
+        entry = CacheEntry(rows, cost, self._evict)
         with self._lock:
             released = self._cache_add(entry)
             self.changed.notify_all()
@@ -103,14 +162,14 @@ class TableStore:
         """Cache `entry`, letting go of the oldest beyond cacheLimit (returned; caller holds
         the lock)."""
         self._cache.append(entry)
-        self._cache_rows += entry.rows.batch.num_rows
+        self._cache_rows += entry.rows.row_count
         released = []
         while (
             self._cache
-            and self._cache_rows - self._cache[0].rows.batch.num_rows >= self.meta.cache_limit
+            and self._cache_rows - self._cache[0].rows.row_count >= self.meta.cache_limit
         ):
             evicted = self._cache.popleft()
-            self._cache_rows -= evicted.rows.batch.num_rows
+            self._cache_rows -= evicted.rows.row_count
             released.append(evicted)
         return released
 
@@ -124,7 +183,7 @@ class TableStore:
                 self._cache.remove(entry)
             else:
                 return False
-            self._cache_rows -= entry.rows.batch.num_rows
+            self._cache_rows -= entry.rows.row_count
             entry.rows = None
             return True
 
@@ -226,13 +285,11 @@ def _slice(slices: list[RowSlice], offset_from: int, offset_to: int) -> list[Row
     result = []
     for rows in slices:
         start = rows.first_offset
-        end = start + rows.batch.num_rows
+        end = start + rows.row_count
         if end <= offset_from or start >= offset_to:
             continue
         lo = max(offset_from, start) - start
         hi = min(offset_to, end) - start
-        batch = (
-            rows.batch if (lo, hi) == (0, rows.batch.num_rows) else rows.batch.slice(lo, hi - lo)
-        )
+        batch = rows.batch if (lo, hi) == (0, rows.row_count) else rows.batch.slice(lo, hi - lo)
         result.append(RowSlice(start + lo, batch, rows.timestamp_ms))
     return result

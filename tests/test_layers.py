@@ -191,7 +191,7 @@ NODE_LAYERS: dict[str, int] = {
     **dict.fromkeys(("limits", "health", "config", "stats", "log_limits", "passwords"), 0),
     **dict.fromkeys(("tuning", "trace", "cache_budget", "pre_vote", "append_rule"), 0),
     **dict.fromkeys(("threads", "allocator", "key_table", "check_memo", "batch_memory"), 0),
-    **dict.fromkeys(("values",), 0),
+    **dict.fromkeys(("values", "checked_payload"), 0),
     **dict.fromkeys(
         ("commands", "dedup", "state_machine", "storage/format", "storage/group_checkpoint"), 1
     ),

@@ -144,12 +144,13 @@ def test_pipelined_one_row_appends_are_acked_in_order_and_land_once_in_order(
         assert ids_on(cluster, alias, "piped") == list(range(count)), alias
 
 
-def test_the_leader_reads_a_small_publish_once_and_the_followers_read_every_entry(
+def test_the_leader_reads_a_small_publish_once_and_the_followers_take_its_seal(
     cluster: LocalCluster,
 ) -> None:
     """check_memo.py in the real cluster: the leader's apply takes back the check each
     publish made before it was proposed (waited appends and pipelined ones alike); the
-    followers, which never check, read every entry; every replica holds the same rows."""
+    followers, which never check, take each waited one-batch publish by the leader's seal
+    without reading it (checked_payload.py); every replica holds the same rows."""
     cluster.create_table("checked_once", SCHEMA)
     leader = cluster.leader()
 
@@ -159,7 +160,13 @@ def test_the_leader_reads_a_small_publish_once_and_the_followers_read_every_entr
             for alias in cluster.alive()
         }
 
-    before = reused()
+    def sealed() -> dict[str, int]:
+        return {
+            alias: int(cluster.group_status(alias, 2)["payload_seals_taken"])
+            for alias in cluster.alive()
+        }
+
+    before, sealed_before = reused(), sealed()
     with session_for(cluster) as session:
         publisher = Publisher(session, "checked_once", deadline_s=DEADLINE_S)
         for number in range(50):
@@ -175,6 +182,10 @@ def test_the_leader_reads_a_small_publish_once_and_the_followers_read_every_entr
     assert gained[leader] >= 50, gained  # every waited append, and the pipeline's requests
     assert all(gained[alias] == 0 for alias in gained if alias != leader), gained
     wait_replicas(cluster, "checked_once", 100)
+    sealed_after = sealed()
+    taken = {alias: sealed_after[alias] - sealed_before[alias] for alias in sealed_after}
+    print(f"seals taken per node: {taken}")
+    assert all(taken[alias] >= 50 for alias in taken if alias != leader), taken
     for alias in cluster.alive():
         assert ids_on(cluster, alias, "checked_once") == list(range(100)), alias
 
