@@ -27,9 +27,13 @@ lock, held for dict operations only.
 from __future__ import annotations
 
 import threading
-from typing import Generic, NamedTuple, TypeVar
+from typing import Final, Generic, NamedTuple, TypeVar
 
 from hastream.checksum import crc32
+
+# What a proposal may write after a checked payload in the same blob (a seal,
+# checked_payload.py: 44 bytes), which the entry's bytes are compared with too.
+SUFFIX_BYTES_MAX: Final = 64
 
 Owner = TypeVar("Owner")
 Value = TypeVar("Value")
@@ -37,6 +41,7 @@ Value = TypeVar("Value")
 
 class _Kept(NamedTuple, Generic[Owner, Value]):
     payload: bytes  # compared with the entry's bytes on a take
+    suffix: bytes  # and what the entry holds after them (the leader's seal)
     owner: Owner
     value: Value
     cost: int  # bytes of memory it keeps alive
@@ -61,20 +66,29 @@ class CheckMemo(Generic[Owner, Value]):
     def fits(self, payload: bytes | memoryview) -> bool:
         return memoryview(payload).nbytes <= self.payload_bytes_max
 
-    def remember(self, table: str, payload: bytes, owner: Owner, value: Value, cost: int) -> None:
+    def remember(
+        self,
+        table: str,
+        payload: bytes,
+        owner: Owner,
+        value: Value,
+        cost: int,
+        suffix: bytes = b"",
+    ) -> None:
         """Keep `value`, the check of `payload` (immutable bytes: `value` may view them),
         which keeps `cost` bytes of memory alive (>= the payload's); not if it alone would
-        pass `bytes_max`."""
+        pass `bytes_max`. Taken back by the entry bytes `payload + suffix`."""
         assert len(payload) <= self.payload_bytes_max, len(payload)
+        assert len(suffix) <= SUFFIX_BYTES_MAX, len(suffix)
         assert cost >= len(payload), (cost, len(payload))
         if cost > self._bytes_max:
             return
-        key = (table, len(payload), crc32(payload))
+        key = (table, len(payload) + len(suffix), crc32(suffix, crc32(payload)))
         with self._lock:
             replaced = self._values.pop(key, None)
             if replaced is not None:  # these bytes again, or a collision: the newest stays
                 self._bytes -= replaced.cost
-            self._values[key] = _Kept(payload, owner, value, cost)
+            self._values[key] = _Kept(payload, suffix, owner, value, cost)
             self._bytes += cost
             while len(self._values) > self._entries_max or self._bytes > self._bytes_max:
                 self._bytes -= _pop_oldest(self._values).cost
@@ -85,16 +99,19 @@ class CheckMemo(Generic[Owner, Value]):
         if not self._values:  # a follower's case: nothing is ever remembered there
             return None
         view = memoryview(payload)
-        if view.nbytes > self.payload_bytes_max:
+        if view.nbytes > self.payload_bytes_max + SUFFIX_BYTES_MAX:
             return None
         key = (table, view.nbytes, crc32(view))
         with self._lock:
             kept = self._values.pop(key, None)
             if kept is not None:
                 self._bytes -= kept.cost
+        if kept is None or kept.owner is not owner:
+            return None
         # The same length (the key's): startswith is a memcmp (memoryview's == compares
-        # byte by byte in a loop, ~2 ms per MiB).
-        if kept is None or kept.owner is not owner or not kept.payload.startswith(view):
+        # byte by byte in a loop, ~2 ms per MiB; fine for the few bytes of a suffix).
+        size = len(kept.payload)
+        if not kept.payload.startswith(view[:size]) or view[size:] != kept.suffix:
             return None  # a collision's check is dropped: its own apply reads its payload
         self.hits += 1
         return kept.value

@@ -23,11 +23,13 @@ that end with that marker, and an older node reads a sealed payload exactly as i
 unsealed one: same rows, same error (none: a sealed payload passed the leader's check),
 same data-file record (the message's bytes as sent).
 
-The tag: HMAC-SHA256, truncated to 16 bytes, keyed by a key derived from the cluster
-secret, over the group, the table, the seal's fields and the length and CRC-32 of the
-payload before it. A client does not know the key, so it cannot make a seal that verifies;
-a node that cannot verify one reads the payload. ~2-3 us to make or check for a small
-payload (the CRC grows with it: ~1.3 us for 64 KiB).
+The tag: keyed BLAKE2b (a MAC as it is, RFC 7693), 16 bytes, keyed by a key derived from
+the cluster secret, over the group, the table, the seal's fields and the length and CRC-32
+of the payload before it. A client does not know the key, so it cannot make a seal that
+verifies; a node that cannot verify one reads the payload. HMAC-SHA256 (OpenSSL's) cost
+12-15 us per seal made or opened in a node against ~1.3 us in a loop (its code cold between
+appends); keyed BLAKE2b is CPython's own, 0.5 us in a loop. The CRC grows with the payload:
+~1.3 us for 64 KiB.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ _FIELDS: Final = struct.Struct("<QIII")
 _SIGNED: Final = struct.Struct("<IQI")  # group, payload length, payload CRC-32
 _TAG_BYTES: Final = 16
 SEAL_BYTES: Final = len(_MAGIC) + _FIELDS.size + _TAG_BYTES
+_FIELDS_AT: Final = len(_MAGIC)
+_TAG_AT: Final = _FIELDS_AT + _FIELDS.size
 _KEY_SALT: Final = b"hastream-payload-seal-v1"
 
 
@@ -61,12 +65,10 @@ def seal_key(peer_key: bytes) -> bytes:
     return hmac.digest(peer_key, _KEY_SALT, "sha256")
 
 
-def _tag(
-    key: bytes, group_id: int, table: str, fields: bytes, payload: bytes | memoryview
-) -> bytes:
-    signed = _SIGNED.pack(group_id, memoryview(payload).nbytes, crc32(payload))
+def _tag(key: bytes, group_id: int, table: str, fields: bytes, payload: memoryview) -> bytes:
+    signed = _SIGNED.pack(group_id, payload.nbytes, crc32(payload))
     message = b"".join((table.encode(), b"\0", fields, signed))
-    return hmac.digest(key, message, hashlib.sha256)[:_TAG_BYTES]
+    return hashlib.blake2b(message, key=key, digest_size=_TAG_BYTES).digest()
 
 
 def seal(
@@ -79,10 +81,11 @@ def seal(
 ) -> bytes:
     """The seal to write after `payload`, which the leader found valid for the table
     incarnation `created_lsn` of `table`, holding `found`."""
+    view = memoryview(payload)
     assert found.rows > 0, found
-    assert 0 <= found.start < found.end <= memoryview(payload).nbytes, found
+    assert 0 <= found.start < found.end <= view.nbytes, found
     fields = _FIELDS.pack(created_lsn, *found)
-    return b"".join((_MAGIC, fields, _tag(key, group_id, table, fields, payload)))
+    return b"".join((_MAGIC, fields, _tag(key, group_id, table, fields, view)))
 
 
 def opened(
@@ -97,12 +100,11 @@ def opened(
     trailer = bytes(view[size:])
     if not trailer.startswith(_MAGIC):
         return None
-    fields = trailer[len(_MAGIC) : len(_MAGIC) + _FIELDS.size]
+    fields = trailer[_FIELDS_AT:_TAG_AT]
     checked_lsn, rows, start, end = _FIELDS.unpack(fields)
     if checked_lsn != created_lsn or not (rows > 0 and 0 <= start < end <= size):
         return None
     payload = view[:size]
-    tag = _tag(key, group_id, table, fields, payload)
-    if not hmac.compare_digest(tag, trailer[len(_MAGIC) + _FIELDS.size :]):
+    if not hmac.compare_digest(_tag(key, group_id, table, fields, payload), trailer[_TAG_AT:]):
         return None
     return payload, Seal(rows, start, end)

@@ -624,9 +624,10 @@ class GroupStateMachine:
         # buffer may be reused once the publish is copied into its entry.
         kept = bytes(payload)
         rows, checked = _validated(meta, kept)
+        seal = self._seal(meta, kept, rows, checked)
         cost = len(kept) + sum(cached_bytes(batch) for batch in checked.batches)
-        memo.remember(meta.table, kept, meta, checked, cost)
-        return Validated(rows, self._seal(meta, kept, rows, checked))
+        memo.remember(meta.table, kept, meta, checked, cost, seal)  # the entry's blob: both
+        return Validated(rows, seal)
 
     def _seal(
         self, meta: TableMeta, payload: bytes | memoryview, rows: int, checked: _Checked
@@ -770,21 +771,21 @@ class GroupStateMachine:
         state = self._tables.get(item.table)
         if state is None:
             return _item_error(item.table, TableNotFound(item.table))
-        payload = item.payload
+        # The leader's own check of these bytes (seal included) first: it holds the batch
+        # for the row cache, which an unread seal does not.
+        checked = self.check_memo.take(item.table, item.payload, state.meta)
         sealed = None
-        if self._seal_key is not None and state.meta.key_column is None:
-            sealed = checked_payload.opened(
-                self._seal_key, self._group_id, item.table, state.meta.created_lsn, payload
-            )
-            if sealed is not None:
-                payload = sealed[0]
-        checked = self.check_memo.take(item.table, payload, state.meta)
-        if checked is None and sealed is None:  # not checked here before, nor sealed
-            try:
-                # The whole blob, whatever its end holds: as a node that knows no seals.
-                checked = _check_payload(state.meta, item.payload)
-            except (InvalidArgument, SchemaMismatch) as error:
-                return _item_error(item.table, error)
+        if checked is None:
+            if self._seal_key is not None and state.meta.key_column is None:
+                sealed = checked_payload.opened(
+                    self._seal_key, self._group_id, item.table, state.meta.created_lsn, item.payload
+                )
+            if sealed is None:  # not checked here before, nor sealed
+                try:
+                    # The whole blob, whatever its end holds: as a node that knows no seals.
+                    checked = _check_payload(state.meta, item.payload)
+                except (InvalidArgument, SchemaMismatch) as error:
+                    return _item_error(item.table, error)
         if item.producer_id:
             answer = self._producer_answer(item)
             if answer is not None:

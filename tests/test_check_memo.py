@@ -120,6 +120,18 @@ def _colliding(payload: bytes) -> bytes:
 
 
 @pytest.mark.unit
+def test_a_check_with_a_suffix_is_taken_back_only_by_the_payload_and_that_suffix() -> None:
+    """The leader's seal follows the payload in the entry's blob (checked_payload.py)."""
+    memo: CheckMemo[object, str] = CheckMemo(entries_max=4, bytes_max=100, payload_bytes_max=10)
+    owner = object()
+    for blob in (b"payload", b"payload" + b"seal", b"payload" + b"sEal", b"payloadseal!"):
+        memo.remember("t", b"payload", owner, "checked", 10, suffix=b"seal")
+        taken = memo.take("t", memoryview(blob), owner)
+        assert taken == ("checked" if blob == b"payloadseal" else None), blob
+    assert memo.hits == 1
+
+
+@pytest.mark.unit
 def test_bytes_of_the_same_length_and_crc_are_a_miss() -> None:
     memo: CheckMemo[object, str] = CheckMemo(entries_max=4, bytes_max=100, payload_bytes_max=16)
     owner = object()

@@ -118,7 +118,7 @@ def test_a_seal_opens_only_with_its_key_group_table_incarnation_and_bytes() -> N
 def test_seal_fields_out_of_the_payload_are_refused_even_when_signed() -> None:
     payload = _payload([1])
     fields = checked_payload._FIELDS.pack(7, 1, 0, len(payload) + 1)  # ends past the payload
-    tag = checked_payload._tag(KEY, GROUP, "t", fields, payload)
+    tag = checked_payload._tag(KEY, GROUP, "t", fields, memoryview(payload))
     blob = payload + checked_payload._MAGIC + fields + tag
     assert opened(KEY, GROUP, "t", 7, blob) is None
 
