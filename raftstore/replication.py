@@ -219,6 +219,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._tick_thread_id: int | None = None
         self._journal_failures = _JournalFailures(replica)
         self._housekeeping_at = 0.0  # when a tick next runs `_housekeep`
+        self._compaction_check_at = 0.0  # when pysyncobj's compaction check next runs
         super().__init__(*args, **kwargs)
         poller = self._poller
         if not isinstance(poller, PollPoller):
@@ -605,11 +606,18 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
     def _SyncObj__tryLogCompaction(self) -> None:
         # While in doubt the applied state is not whole: no checkpoint, keep the log (this
         # also keeps pysyncobj from retrying a deferred checkpoint on every tick). Looked
-        # at with the housekeeping (`_HOUSEKEEPING_S`), not on every tick, unless one is
-        # asked for or under way: its steps (write, then cut the log and let the applier
-        # drop what only older replays needed) then take consecutive ticks, as before.
-        if time.monotonic() < self._housekeeping_at and not self._checkpoint_under_way():
+        # at once per `_HOUSEKEEPING_S` at most, not on every tick, unless one is asked for
+        # or under way: its steps (write, then cut the log and let the applier drop what
+        # only older replays needed) then take consecutive ticks, as before. Timed from its
+        # own last look: pysyncobj looks early in a tick, and the housekeeping's time is set
+        # at the end of the tick before, so a tick that reached this within a millisecond
+        # of it (one with nothing to apply, or a quick apply) never looked, and a leader
+        # under light load wrote no checkpoint for as long as that lasted (a chaos test's
+        # leader went 30 s without one).
+        now = time.monotonic()
+        if now < self._compaction_check_at and not self._checkpoint_under_way():
             return
+        self._compaction_check_at = now + _HOUSEKEEPING_S
         if self._replica.in_doubt():
             return
         serialized_before = self._SyncObj__lastSerializedEntry

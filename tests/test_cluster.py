@@ -172,6 +172,34 @@ def test_stopped_follower_catches_up_across_checkpoints(fast_purge_cluster: Loca
     assert_replicas_hold_exactly(cluster, "ticks", publisher.acked)
 
 
+def test_every_node_checkpoints_at_its_interval_under_a_light_load(
+    fast_purge_cluster: LocalCluster,
+) -> None:
+    """One row every 50 ms: every apply is quick. pysyncobj looks for a checkpoint to take
+    early in a tick, and that look was skipped when it came within a millisecond of the
+    previous tick's end, which such a tick's does: nodes under this load wrote 1-3
+    checkpoints in 6 s instead of 6 (purge interval 1 s), and a chaos test's leader none in
+    30 s (its log grows to RAFT_LOG_BYTES_MAX then). Four each within 7 s: ~4.2 s at the
+    interval, with ticks at least every heartbeat (50 ms)."""
+    cluster = fast_purge_cluster
+    cluster.create_table("light", SCHEMA)
+    publisher = AckedPublisher(cluster, "light", SCHEMA)
+    publisher.publish(0, 1)
+    nodes = cluster.alive()
+    before = {alias: cluster.group_status(alias, 2)["checkpoints_written"] for alias in nodes}
+    key = 1
+    deadline = time.monotonic() + 7.0
+    while True:
+        written = {alias: cluster.group_status(alias, 2)["checkpoints_written"] for alias in nodes}
+        if all(written[alias] >= before[alias] + 4 for alias in nodes):
+            break
+        assert time.monotonic() < deadline, f"checkpoints before {before}, 7 s later {written}"
+        publisher.publish(key, 1)
+        key += 1
+        threading.Event().wait(0.05)  # the load's pace, not a wait for a condition
+    assert_replicas_hold_exactly(cluster, "light", publisher.acked)
+
+
 def test_corrupt_data_file_is_reported_and_repaired_from_a_peer(
     fast_purge_cluster: LocalCluster,
 ) -> None:

@@ -620,8 +620,11 @@ def _damage_and_restart_a_follower(
     segments = faults.segment_files(cluster.persistence_dir(follower), 2)
     faults.flip_segment_header(random.Random(first_key), segments)
     leader = cluster.leader(2)
-    append(15)  # entries the follower misses
-    _wait_for_checkpoint(cluster, leader, 2)  # the leader's log now starts past the follower
+    append(14)  # entries the follower misses, and a 15th after the wait began: a checkpoint
+    # that took all of them before it began would be the last one (nothing applied after
+    # it), and the wait would never end (CI saw it). Then the leader's log starts past the
+    # follower.
+    _wait_for_checkpoint(cluster, leader, 2, after=lambda: append(1))
     cluster.start_node(follower)
     append(20)  # entries that wait for the follower's catch-up
     return appended
