@@ -675,7 +675,10 @@ class Applier:
         checkpoint on this lagging follower. Raises InvalidArgument on a malformed state
         (the node then refuses to start rather than run on a wrong state)."""
         machine = GroupStateMachine.restore(
-            self.group_id, snapshot.state, dedup_window_rows=self._settings.dedup_window_rows
+            self.group_id,
+            snapshot.state,
+            dedup_window_rows=self._settings.dedup_window_rows,
+            seal_key=self._settings.seal_key,
         )
         if machine.lsn_applied != snapshot.lsn:
             raise InvalidArgument(

@@ -169,6 +169,8 @@ RAFT_JOURNAL_SEGMENT_BYTES: Final = 64 * MIB
 RAFT_JOURNAL_EXTEND_BYTES: Final = MIB
 
 assert ENTRY_BYTES_MAX >= BATCH_BYTES_MAX + MIB, "one batch plus framing must fit an entry"
+assert BATCH_BYTES_MAX < 2**32, "a seal (checked_payload.py) holds payload offsets as u32"
+assert BATCH_ROWS_MAX < 2**32, "a seal holds the row count as u32"
 assert RAFT_APPEND_BATCH_BYTES >= 2 * ENTRY_BYTES_MAX, "avoid pysyncobj's chunked-send bug"
 assert RAFT_LOG_BYTES_MAX > 4 * ENTRY_BYTES_MAX
 assert RAFT_LOG_RESIDENT_BYTES >= 2 * ENTRY_BYTES_MAX, "the last two entries stay in memory"

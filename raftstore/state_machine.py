@@ -916,11 +916,17 @@ class GroupStateMachine:
         *,
         dedup_window_rows: int = limits.DEDUP_WINDOW_ROWS,
         producers_max: int = limits.PRODUCERS_MAX,
+        seal_key: bytes | None = None,
     ) -> GroupStateMachine:
         """The state machine `snapshot()` wrote. Keyed tables with rows then wait for
         `rebuild_key_window` before their next append. Raises InvalidArgument("snapshot",
         ...) on anything malformed."""
-        machine = cls(group_id, dedup_window_rows=dedup_window_rows, producers_max=producers_max)
+        machine = cls(
+            group_id,
+            dedup_window_rows=dedup_window_rows,
+            producers_max=producers_max,
+            seal_key=seal_key,
+        )
         try:
             document = json.loads(data)
             machine._load(document)

@@ -44,6 +44,7 @@ class Shell:
     group: Group | None = None
     # The threads' owner, as Node's (a restart builds the group again on the same owner).
     threads: Threads = field(default_factory=Threads)
+    seal_key: bytes | None = None  # the seals' key (checked_payload.py), a node's has one
 
     def start(self) -> Shell:
         data_dir = self.root / "persistence" / "local"
@@ -56,7 +57,9 @@ class Shell:
             spawn=self.threads.start,
             files=self.files,
         )
-        settings = ApplierSettings(group_id=LOCAL_GROUP, data_dir=data_dir, files=self.files)
+        settings = ApplierSettings(
+            group_id=LOCAL_GROUP, data_dir=data_dir, files=self.files, seal_key=self.seal_key
+        )
         applier = Applier(settings, repairer, Retention())
         replica = LocalReplica(
             self.root / "raftlog" / "local",
