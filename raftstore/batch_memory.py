@@ -15,12 +15,11 @@ COLUMN_OVERHEAD_BYTES = 448
 
 def cached_bytes(batch: pa.RecordBatch) -> int:
     """The memory a cached `batch` keeps alive (a cheap, conservative count)."""
-    buffers: int = batch.get_total_buffer_size()
-    columns: int = batch.num_columns
-    return buffers + BATCH_OVERHEAD_BYTES + COLUMN_OVERHEAD_BYTES * columns
+    return encoded_cached_bytes(batch.get_total_buffer_size(), batch.num_columns)
 
 
-def encoded_cached_bytes(message_bytes: int, columns: int) -> int:
-    """`cached_bytes` of a batch cached as its IPC message, decoded on its first read: its
-    buffers view the message, which holds them and their metadata."""
-    return message_bytes + BATCH_OVERHEAD_BYTES + COLUMN_OVERHEAD_BYTES * columns
+def encoded_cached_bytes(buffer_bytes: int, columns: int) -> int:
+    """`cached_bytes` of a batch of `columns` columns whose buffers take `buffer_bytes`; for
+    a batch cached as its IPC message and decoded on its first read, the message's bytes
+    (its buffers view the message, which holds them and their metadata)."""
+    return buffer_bytes + BATCH_OVERHEAD_BYTES + COLUMN_OVERHEAD_BYTES * columns

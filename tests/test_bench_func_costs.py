@@ -8,6 +8,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,10 +27,11 @@ class _Target:
 
 
 @pytest.fixture
-def restored(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The test's own method, which `wrap` replaces for real, is put back after the test
-    (monkeypatch only restores; nothing stands in for a node, the disk or a cluster)."""
-    monkeypatch.setattr(_Target, "work", _Target.__dict__["work"])
+def restored() -> Iterator[None]:
+    """The test's own method, which `wrap` replaces for real, is put back after the test."""
+    work = _Target.__dict__["work"]
+    yield
+    _Target.work = work  # type: ignore[method-assign]
 
 
 @pytest.mark.usefixtures("restored")

@@ -39,8 +39,8 @@ def _payload(ids: list[int], schema: pa.Schema = SCHEMA) -> bytes:
     return _model_payload(list(ids), "mismatch" if schema is OTHER else "good")
 
 
-def _create(table: str, schema: pa.Schema = SCHEMA) -> CreateTable:
-    return CreateTable(table, schema.serialize().to_pybytes(), 100, None, 60)
+def _create(table: str, schema: pa.Schema = SCHEMA, key: str | None = None) -> CreateTable:
+    return CreateTable(table, schema.serialize().to_pybytes(), 100, key, 60)
 
 
 def _machine(memo: CheckMemo[Any, Any] | None = None) -> Driver:
@@ -52,6 +52,18 @@ def _machine(memo: CheckMemo[Any, Any] | None = None) -> Driver:
     return driver
 
 
+def _rows(driver: Driver, effect: AppendRecords) -> dict[str, list[Any]]:
+    """The rows of an append effect: its batch, or its message where apply took a sealed
+    publish unread (checked_payload.py)."""
+    batch = effect.batch
+    if batch is None:
+        assert effect.encoded is not None
+        schema = driver.machine.table(effect.table).meta.schema
+        batch = pa.ipc.read_record_batch(pa.py_buffer(effect.encoded), schema)
+    rows: dict[str, list[Any]] = batch.to_pydict()
+    return rows
+
+
 def _decided(driver: Driver, command: Command) -> Any:
     """What a replica decided for `command` and must write: results, rows, and the bytes a
     data file gets."""
@@ -61,7 +73,7 @@ def _decided(driver: Driver, command: Command) -> Any:
         (
             e.table,
             e.first_offset,
-            e.batch.to_pydict(),
+            _rows(driver, e),
             None if e.encoded is None else bytes(e.encoded),
         )
         for e in driver.effects[first:]

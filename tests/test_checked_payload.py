@@ -16,31 +16,25 @@ from hastream.errors import RaftStoreError
 from raftstore import checked_payload
 from raftstore.check_memo import CheckMemo
 from raftstore.checked_payload import SEAL_BYTES, Seal, opened, seal, seal_key
-from raftstore.commands import Append, AppendItem, Command, CreateTable, DropTable
+from raftstore.commands import Append, AppendItem, Command, DropTable
 from raftstore.state_machine import (
     _END_OF_STREAM,
     AppendRecords,
-    CommandResult,
     GroupStateMachine,
 )
 from raftstore.tables import TableStore
 from tests.shell import Shell
+from tests.test_check_memo import TS, _create, _decided, _payload
 from tests.test_state_machine import (
     MODEL_SCHEMA,
     MODEL_SETTINGS,
     OTHER_SCHEMA,
     Driver,
-    _model_payload,
 )
 
 KEY = seal_key(b"k" * 32)
 OTHER_KEY = seal_key(b"o" * 32)
-TS = 1_700_000_000_000
 GROUP = 2
-
-
-def _payload(ids: list[int], schema: pa.Schema = MODEL_SCHEMA) -> bytes:
-    return _model_payload(list(ids), "mismatch" if schema is OTHER_SCHEMA else "good")
 
 
 def _batch(ids: list[int]) -> pa.RecordBatch:
@@ -48,41 +42,8 @@ def _batch(ids: list[int]) -> pa.RecordBatch:
     return batch
 
 
-def _create(table: str, schema: pa.Schema = MODEL_SCHEMA, key: str | None = None) -> CreateTable:
-    return CreateTable(table, schema.serialize().to_pybytes(), 100, key, 60)
-
-
 def _replica(key: bytes | None) -> Driver:
     return Driver(GroupStateMachine(GROUP, seal_key=key))
-
-
-def _rows(effect: AppendRecords, schema: pa.Schema) -> dict[str, list[Any]]:
-    if effect.batch is not None:
-        rows: dict[str, list[Any]] = effect.batch.to_pydict()
-        return rows
-    assert effect.encoded is not None
-    return pa.ipc.read_record_batch(pa.py_buffer(effect.encoded), schema).to_pydict()
-
-
-def _decided(driver: Driver, command: Command) -> Any:
-    """What a replica decided for `command` and writes: results, rows, the data-file bytes."""
-    first = len(driver.effects)
-    result = driver.run(command)
-    written = []
-    for effect in driver.effects[first:]:
-        if not isinstance(effect, AppendRecords):
-            continue
-        schema = driver.machine.table(effect.table).meta.schema
-        encoded = None if effect.encoded is None else bytes(effect.encoded)
-        written.append(
-            (effect.table, effect.first_offset, effect.row_count, _rows(effect, schema), encoded)
-        )
-    if isinstance(result, CommandResult):
-        return (type(result.error).__name__, result.offset), written
-    items = [
-        (i.first_offset, i.row_count, i.duplicates, type(i.error).__name__) for i in result.items
-    ]
-    return items, written
 
 
 def _sealed_item(leader: Driver, table: str, payload: bytes) -> AppendItem:
@@ -181,7 +142,7 @@ def test_a_follower_takes_a_sealed_payload_unread_and_writes_what_a_reader_write
     _all_decide(replicas, _create("t"))
     decided = _all_decide(replicas, Append(TS, (_sealed_item(leader, "t", _payload([5, 6])),)))
     assert decided[0] == [(0, 2, 0, "NoneType")]
-    assert decided[1][0][3] == {"id": [5, 6], "sym": ["s5", "s6"]}
+    assert decided[1][0][2] == {"id": [5, 6], "sym": ["s5", "s6"]}
     assert (leader.machine.seals_taken, follower.machine.seals_taken) == (0, 1)  # leader: memo
     assert older.machine.seals_taken == 0
     (effect,) = [e for e in follower.effects if isinstance(e, AppendRecords)]
@@ -237,7 +198,7 @@ def test_sealed_small_publishes_of_one_entry_are_joined_into_the_same_record() -
     items = tuple(_sealed_item(leader, "t", _payload(ids)) for ids in ([1], [2, 3], [4]))
     decided = _all_decide(replicas, Append(TS, items))
     assert len(decided[1]) == 1, "one record"
-    assert decided[1][0][3]["id"] == [1, 2, 3, 4]
+    assert decided[1][0][2]["id"] == [1, 2, 3, 4]
     assert follower.machine.seals_taken == 3
 
 
