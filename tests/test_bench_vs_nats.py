@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,3 +80,50 @@ def test_vs_nats_prints_a_ratio_for_each_shape(tmp_path: Path) -> None:
     text = (tmp_path / "vs-nats.md").read_text()
     assert text.startswith("# Publish throughput")
     assert re.search(r"; CPU time stolen by the host: \d+%", text), text
+
+
+def _cell(system: str, rep: int, *, calls: int, wall_s: float, mean_ms: float) -> Any:
+    from bench import vs_nats
+
+    return vs_nats.CellResult(
+        system=system,
+        shape="wait-1000",
+        rep=rep,
+        order=0,
+        rows=calls * 1000,
+        messages=calls,
+        errors=0,
+        first_error="",
+        wall_s=wall_s,
+        rows_per_s=calls * 1000 / wall_s,
+        p50_ms=1.2,
+        p99_ms=7.0,
+        server_cpu_s=calls * 0.0018,
+        client_cpu_s=calls * 0.00026,
+        mean_ms=mean_ms,
+    )
+
+
+def test_the_report_gives_each_systems_cost_per_call() -> None:
+    """The per-call table: cycle, mean call, client and servers CPU per call, as medians over
+    the reps (a rep of 1,000 calls in 1.8 s is a 1,800 us cycle)."""
+    if importlib.util.find_spec("nats") is None:
+        pytest.skip(f"nats-py is not installed (bench/requirements.txt): {INSTALL}")
+    from bench import vs_nats
+
+    shape = next(s for s in vs_nats.SHAPES if s.key == "wait-1000")
+    results = [
+        _cell("hastream", 0, calls=1000, wall_s=1.8, mean_ms=1.6),
+        _cell("hastream", 1, calls=1000, wall_s=1.7, mean_ms=1.5),
+        _cell("hastream", 2, calls=1000, wall_s=2.0, mean_ms=1.9),
+        _cell("nats", 0, calls=1000, wall_s=1.5, mean_ms=1.4),
+    ]
+    (summary,) = vs_nats.summarize(results, [shape])
+    assert summary.hastream_call.cycle_us == pytest.approx(1800)
+    assert summary.hastream_call.mean_ms == pytest.approx(1.6)
+    assert summary.hastream_call.client_cpu_us == pytest.approx(260)
+    assert summary.hastream_call.server_cpu_us == pytest.approx(1800)
+    assert summary.nats_call.cycle_us == pytest.approx(1500)
+    lines = vs_nats.call_table([summary])
+    assert lines[2] == "| 1 pub x 1,000 rows, wait | NATS | 1,500 | 1.40 | 260 | 1,800 |"
+    assert lines[3] == "| 1 pub x 1,000 rows, wait | hastream | 1,800 | 1.60 | 260 | 1,800 |"
