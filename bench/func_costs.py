@@ -145,8 +145,12 @@ def node_costs(
     return NodeCosts(process, cpu_s / appends * 1e6, functions, missing)
 
 
-def measure(shape: Shape, seconds: float, functions: Sequence[str]) -> tuple[str, list[NodeCosts]]:
-    with tempfile.TemporaryDirectory(prefix="func-costs-") as scratch:
+def measure(
+    shape: Shape, seconds: float, functions: Sequence[str], scratch_parent: Path | None = None
+) -> tuple[str, list[NodeCosts]]:
+    """The cell's per-function costs; the cluster and the request files go under
+    `scratch_parent` (the system's temporary directory by default), removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="func-costs-", dir=scratch_parent) as scratch:
         directory = Path(scratch)
         environment = {
             "PYTHONPATH": f"{HOOK_DIR}{os.pathsep}{common.REPO}",
@@ -154,7 +158,10 @@ def measure(shape: Shape, seconds: float, functions: Sequence[str]) -> tuple[str
             func_costs_node.TARGETS_VARIABLE: ",".join(functions),
         }
         with common.bench_cluster(
-            purge_interval_s=60, election_timeout_s=1.5, environment=environment
+            purge_interval_s=60,
+            election_timeout_s=1.5,
+            environment=environment,
+            parent=scratch_parent,
         ) as cluster:
             pids = thread_costs.node_processes(cluster)
             requests = Requests(directory, pids)
@@ -221,10 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--functions", nargs="+", default=list(FUNCTIONS))
     parser.add_argument("--markdown", help="also write the tables to this file")
+    parser.add_argument(
+        "--scratch", type=Path, help="where the cluster and request files go (default: temp)"
+    )
     args = parser.parse_args(argv)
     if args.seconds <= 0:
         parser.error("--seconds > 0")
-    header, nodes = measure(args.shape, args.seconds, args.functions)
+    header, nodes = measure(args.shape, args.seconds, args.functions, args.scratch)
     common.print_report("bench.func_costs", argv, report(header, nodes), args.markdown)
     return 0
 

@@ -75,8 +75,7 @@ class RowPool:
         packed["id"] = ids
         packed["v"] = np.stack(ints, axis=1)
         assert packed.dtype.itemsize == ROW_BYTES
-        columns = [pa.array(ids, type=pa.string()), *(pa.array(column) for column in ints)]
-        return RowPool(ids, ints, packed, pa.Table.from_arrays(columns, schema=SCHEMA))
+        return RowPool(ids, ints, packed, _arrow_table(ids, ints))
 
     def first_row(self, number: int, rows: int) -> int:
         return (number * rows) % len(self.ids)
@@ -84,9 +83,7 @@ class RowPool:
     def table(self, number: int, rows: int) -> pa.Table:
         first = self.first_row(number, rows)
         end = first + rows
-        arrays = [pa.array(self.ids[first:end], type=pa.string())]
-        arrays += [pa.array(column[first:end]) for column in self.ints]
-        return pa.Table.from_arrays(arrays, schema=SCHEMA)
+        return _arrow_table(self.ids[first:end], [column[first:end] for column in self.ints])
 
     def table_slice(self, number: int, rows: int) -> pa.Table:
         """The rows of `table` as a slice of the pool's own Table (no conversion: zero-copy)."""
@@ -97,16 +94,24 @@ class RowPool:
         return self.packed[first : first + rows].tobytes()
 
 
+def _arrow_table(ids: np.ndarray[Any, Any], ints: Sequence[np.ndarray[Any, Any]]) -> pa.Table:
+    """Numpy columns (ascii ids, int32 values) as a pyarrow.Table of `SCHEMA`."""
+    arrays = [pa.array(ids, type=pa.string()), *[pa.array(column) for column in ints]]
+    return pa.Table.from_arrays(arrays, schema=SCHEMA)
+
+
 def nats_builder(pool: RowPool, rows: int) -> Callable[[int], bytes]:
     return one_row_bytes if rows == 1 else lambda number: pool.message(number, rows)
 
 
-# How the hastream side gets N rows per call (`hastream_builder`): "numpy" builds a
-# pyarrow.Table from the pool's numpy columns (the conversion a program holding numpy data
-# makes: ~55 us per 1,000 rows in a loop, ~110 us between publish calls, where the NATS
-# side copies a slice of pre-packed bytes in ~2-5 us); "arrow" slices a Table made once,
-# as the NATS side slices bytes made once: each side gets its client's input form ready.
-ROWS_FROM: Final = ("numpy", "arrow")
+# How the hastream side gets N rows per call (`hastream_builder`), and what each means.
+# numpy is the conversion a program holding numpy data makes (~55 us per 1,000 rows in a
+# loop, ~110 us between publish calls, where the NATS side copies a slice of pre-packed
+# bytes in ~2-5 us); arrow gives each side its client's input form ready, as NATS gets it.
+ROWS_FROM: Final = {
+    "numpy": "a pyarrow.Table built from numpy columns in the loop",
+    "arrow": "a slice of a pyarrow.Table made once",
+}
 
 
 def hastream_builder(pool: RowPool, rows: int, rows_from: str = "numpy") -> Callable[[int], object]:

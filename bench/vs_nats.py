@@ -729,16 +729,11 @@ def problem_lines(results: list[CellResult]) -> list[str]:
     return lines
 
 
-_ROWS_FROM_TEXT: Final = {
-    "numpy": "a pyarrow.Table built from numpy columns in the loop (`--hastream-rows numpy`)",
-    "arrow": "a slice of a pyarrow.Table made once (`--hastream-rows arrow`)",
-}
-
-
 def markdown(summaries: list[ShapeSummary], results: list[CellResult], meta: dict[str, Any]) -> str:
     load_start = " ".join(f"{value:.2f}" for value in meta["loadavg_start"])
     load_end = " ".join(f"{value:.2f}" for value in meta["loadavg_end"])
     problems = problem_lines(results)
+    rows_from = meta.get("hastream_rows", "numpy")
     return "\n".join(
         [
             "# Publish throughput: hastream vs NATS JetStream (3 replicas, every write fsynced)",
@@ -753,7 +748,7 @@ def markdown(summaries: list[ShapeSummary], results: list[CellResult], meta: dic
             f"- NATS: {meta['nats_server']}, `jetstream {{ sync_interval: always }}`, R3 file "
             f"streams, nats-py {meta['nats_py']}",
             f"- hastream: 3 nodes, HA group {common.HA_GROUP}, code {meta['machine']['code']}; "
-            f"N rows per call: {_ROWS_FROM_TEXT[meta.get('hastream_rows', 'numpy')]}",
+            f"N rows per call: {ROWS_FROM[rows_from]} (`--hastream-rows {rows_from}`)",
             f"- machine: {meta['machine']['cpus']} CPUs, {meta['machine']['cpu_model']}, "
             f"Python {meta['machine']['python']}, pyarrow {meta['machine']['pyarrow']}",
             "",
@@ -838,10 +833,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep both clusters' directories")
     parser.add_argument(
         "--hastream-rows",
-        choices=ROWS_FROM,
+        choices=tuple(ROWS_FROM),
         default="numpy",
-        help="N rows per hastream call: a pyarrow.Table built from numpy columns in the loop "
-        "(default), or a slice of a Table made once, as NATS slices bytes made once",
+        help="N rows per hastream call: "
+        + "; ".join(f"{key}: {text}" for key, text in ROWS_FROM.items())
+        + " (NATS always slices bytes made once)",
     )
     args = parser.parse_args(argv)
     if args.reps < 1 or args.seconds <= 0 or not 1 <= args.window <= 256:

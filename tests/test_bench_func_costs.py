@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,13 +81,12 @@ def test_costs_are_per_append() -> None:
 @pytest.mark.cluster
 def test_a_cell_reports_the_write_path_of_each_node(
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
     (tmp_path / "scratch").mkdir()
     out_file = tmp_path / "costs.md"
     argv = ["--shape", "wait:1", "--seconds", "0.5", "--markdown", str(out_file)]
+    argv += ["--scratch", str(tmp_path / "scratch")]
     assert func_costs.main(argv) == 0
     assert list((tmp_path / "scratch").iterdir()) == []  # the cluster and request files went
     out = capsys.readouterr().out
