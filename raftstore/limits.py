@@ -167,6 +167,13 @@ RAFT_JOURNAL_SEGMENT_BYTES: Final = 64 * MIB
 # time and CPU with three nodes syncing on one disk (docs/benchmark.md). At most this much
 # disk per group journal beyond its records.
 RAFT_JOURNAL_EXTEND_BYTES: Final = MIB
+# Segments a checkpoint freed are kept, up to this many per group journal, and reused for
+# the next ones (renamed; their blocks written already): a record then lands on written
+# blocks, with neither the zeros' write nor fallocate's unwritten extents to convert at
+# its fdatasync (storage/journal.py). So a busy group's journal keeps the disk its log
+# held between two checkpoints at most (RAFT_LOG_BYTES_MAX), as PostgreSQL keeps its WAL
+# segments up to max_wal_size.
+RAFT_JOURNAL_SPARES_MAX: Final = RAFT_LOG_BYTES_MAX // RAFT_JOURNAL_SEGMENT_BYTES
 
 assert ENTRY_BYTES_MAX >= BATCH_BYTES_MAX + MIB, "one batch plus framing must fit an entry"
 assert BATCH_BYTES_MAX < 2**32, "a seal (checked_payload.py) holds payload offsets as u32"

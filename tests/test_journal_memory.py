@@ -87,14 +87,18 @@ class JournalAgainstAList(RuleBasedStateMachine):
         self.journal = self._open()
         self.synced = len(self.model)
 
-    @rule()
-    def power_loss(self) -> None:
+    @rule(torn=st.booleans())
+    def power_loss(self, torn: bool) -> None:
         """What was synced is there, from where the log was last cut; what was not may be
-        lost (and an unsynced cut of the tail undone)."""
-        self.sim.crash()
+        lost (and an unsynced cut of the tail undone), or kept in part (`torn`: a prefix of
+        the writes since the last sync reached the disk, over a reused segment's old
+        records too)."""
+        self.sim.crash(torn=torn)
         self.journal = self._open()
         recovered = self.journal[:]
         assert recovered[: self.synced] == self.model[: self.synced]
+        indexes = [idx for _, idx, _ in recovered]
+        assert indexes == list(range(indexes[0], indexes[0] + len(indexes))) if indexes else True
         self.model = recovered
         self.synced = len(self.model)
         if self.model:

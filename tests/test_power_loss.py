@@ -33,6 +33,9 @@ GROUP = Path("/node/group-1")
 CHECKPOINT = GROUP / "checkpoint"
 CHECKPOINT_KIND = b"GCKP"
 SEGMENT_BYTES_MAX = 400  # Small: segments roll every few records.
+# Small too: the journal rolls every few entries, and its checkpoints free segments that
+# later ones reuse (spares).
+JOURNAL_SEGMENT_BYTES_MAX = 120
 STEPS = 70
 SEEDS = range(24)
 CRASH_POINTS_PER_SEED = 10
@@ -86,7 +89,9 @@ class _Node:
         """Start (or restart after a kill -9: nothing lost, nothing synced by the old
         process). What is found is made durable at open, so all of it is required now."""
         self.open_files = OpenFiles(open_max=3)  # Tiny: handles are dropped and reopened.
-        self.journal = DurableJournal(GROUP, files=self.sim)
+        self.journal = DurableJournal(
+            GROUP, files=self.sim, segment_bytes_max=JOURNAL_SEGMENT_BYTES_MAX
+        )
         self.expected.journal_required = {idx: command for command, idx, _ in self.journal[:]}
         self.tables: dict[str, TableLog] = {}
         for name in self.expected.tables:
@@ -266,7 +271,7 @@ def _check_tables(sim: SimFiles, expected: _Expected, where: str) -> None:
 
 
 def _check_journal(sim: SimFiles, expected: _Expected, where: str) -> None:
-    journal = DurableJournal(GROUP, files=sim)
+    journal = DurableJournal(GROUP, files=sim, segment_bytes_max=JOURNAL_SEGMENT_BYTES_MAX)
     found = {idx: command for command, idx, _ in journal[:]}
     for idx, command in expected.journal_required.items():
         assert found.get(idx) == command, f"{where}: synced journal entry {idx} lost"

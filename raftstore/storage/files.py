@@ -659,11 +659,12 @@ class Fault:
 
 
 class _SimFile:
-    __slots__ = ("data", "durable")
+    __slots__ = ("cut", "data", "durable")
 
     def __init__(self) -> None:
         self.data = bytearray()  # What reads see.
         self.durable = b""  # What a power loss leaves (as of the last fsync/fdatasync).
+        self.cut = False  # Truncated below its durable bytes since then.
 
 
 class _SimDir:
@@ -870,14 +871,17 @@ class SimFiles:
                 continue
             durable = node.durable
             if torn and node.data != durable:
-                # Bytes written since the last sync only past the durable ones, or over
-                # their zeros (the journal's extended tail): a random prefix of them stays.
+                # The bytes written since the last sync reach the disk in file order, up to
+                # a random point: past the durable ones, over their zeros (the journal's
+                # grown tail) or over older bytes (a reused journal segment). A file cut
+                # since then goes back to its synced bytes whole.
                 common = _common_prefix(node.data, durable)
-                if common < len(node.data) and all_zeros(durable[common:]):
+                if common < len(node.data) and (not node.cut or all_zeros(durable[common:])):
                     kept = common + self._random.randint(0, len(node.data) - common)
                     durable = bytes(node.data[:kept]) + durable[kept:]
             node.data = bytearray(durable)
             node.durable = durable
+            node.cut = False
 
     def _run(self, op: str, path: PurePosixPath | None, action: Callable[[], _T]) -> _T:
         """Every operation that can fail: power check, fault plan, crash point."""
@@ -1102,6 +1106,7 @@ class SimFiles:
     def _sync(self, fd: int) -> None:
         node = self._handle(fd).node
         node.durable = bytes(node.data)
+        node.cut = False
 
     def ftruncate(self, fd: int, size: int, /) -> None:
         handle = self._handle_or_badf(fd)
@@ -1112,6 +1117,8 @@ class SimFiles:
         if handle.flags & os.O_ACCMODE == os.O_RDONLY or size < 0:
             raise _error(errno.EINVAL)
         data = handle.node.data
+        if size < len(handle.node.durable):
+            handle.node.cut = True
         if size <= len(data):
             del data[size:]
         else:

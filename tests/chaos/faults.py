@@ -22,6 +22,7 @@ from typing import Final
 MIB: Final = 1024 * 1024
 RECORD_HEADER_BYTES: Final = 48  # data-file record header (storage/format.py)
 _PAYLOAD_LENGTH: Final = struct.Struct("<I")  # at byte 8 of a record header
+_INDEX: Final = struct.Struct("<Q")  # a journal record's, at its byte 8
 JOURNAL_HEADER_BYTES: Final = 8  # raft.journal file header
 JOURNAL_ENTRY_HEADER_BYTES: Final = 24  # crc u32 | command_len u32 | idx u64 | term u64
 _FILL_CHUNK: Final = b"\0" * MIB
@@ -148,18 +149,21 @@ def record_spans(segment: bytes) -> list[tuple[int, int]]:
 
 def journal_entry_spans(journal: bytes, start: int = JOURNAL_HEADER_BYTES) -> list[tuple[int, int]]:
     """(entry start, entry end) of each whole entry of a journal segment file from `start`
-    (where its live records begin), up to the zeros the newest segment was grown by."""
+    (where its live records begin), up to the zeros the newest segment was grown by, or to
+    the first record whose index does not follow (a reused segment's older records)."""
     spans: list[tuple[int, int]] = []
     position = start
+    previous: int | None = None
     while position + JOURNAL_ENTRY_HEADER_BYTES <= len(journal):
         if not any(journal[position : position + JOURNAL_ENTRY_HEADER_BYTES]):
             break  # no record has an all-zero header (its index is at least 1)
         (command_length,) = _PAYLOAD_LENGTH.unpack_from(journal, position + 4)
+        (index,) = _INDEX.unpack_from(journal, position + 8)
         end = position + JOURNAL_ENTRY_HEADER_BYTES + command_length
-        if end > len(journal):
+        if end > len(journal) or (previous is not None and index != previous + 1):
             break
         spans.append((position, end))
-        position = end
+        position, previous = end, index
     return spans
 
 

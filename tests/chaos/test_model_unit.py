@@ -99,8 +99,9 @@ def test_record_and_journal_spans_follow_the_documented_layouts() -> None:
         records += bytes(header) + rng.randbytes(length)
     assert record_spans(records + b"\0" * 10) == [(0, 53), (53, 101), (101, 166)]
     journal = b"HSRJ\1\0\0\0"
-    for length in (3, 9):
-        journal += b"\0" * 4 + length.to_bytes(4, "little") + b"\0" * 16 + rng.randbytes(length)
+    for index, length in ((7, 3), (8, 9), (2, 5)):  # the last: a reused segment's older one
+        journal += b"\0" * 4 + length.to_bytes(4, "little") + index.to_bytes(8, "little")
+        journal += b"\0" * 8 + rng.randbytes(length)
     assert journal_entry_spans(journal) == [(8, 35), (35, 68)]
 
 
