@@ -273,6 +273,7 @@ class Node:
             checkpoint_interval_s=self.cluster.purge_interval_s,
             yield_after_ack=self._yield_after_ack,
             kernel_syncs=self._tuning.kernel_syncs,
+            journal_segment_bytes=self._tuning.journal_segment_bytes,
         )
         role = RoleSignal()
         applier = self._build_applier(group_id, settings.data_dir, peers)

@@ -182,6 +182,7 @@ class RaftSettings:
     checkpoint_interval_s: float
     yield_after_ack: bool = True  # tuning.py: see _sync_and_acknowledge
     kernel_syncs: bool = True  # tuning.py: the journal's `sync_ahead`
+    journal_segment_bytes: int | None = None  # tuning.py: smaller journal segments
 
 
 # --- the replica ---------------------------------------------------------------------------
@@ -230,6 +231,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         poller.poll = self._poll_until_next_send
         if not replica.settings.kernel_syncs:
             self._journal.use_helper_thread()
+        if replica.settings.journal_segment_bytes is not None:
+            self._journal.use_segment_bytes(replica.settings.journal_segment_bytes)
 
     def _poll_until_next_send(self, timeout: float) -> None:
         """PollPoller.poll, except that the wait lets go of the tick lock (so a proposing

@@ -6,6 +6,7 @@ variable HASTREAM_TUNING before the node starts, e.g.
     HASTREAM_TUNING=proposals_in_flight=1,switch_interval_ms=0.5,trace_file=/tmp/<ALIAS>.json
     HASTREAM_TUNING=yield_after_ack=off
     HASTREAM_TUNING=kernel_syncs=off
+    HASTREAM_TUNING=journal_segment_bytes=262144
 
 Operators have no reason to set it: every default is the product's choice (one, the
 follower's yield, is chosen from the machine: `yields_after_ack`). A knob may only
@@ -27,6 +28,7 @@ from raftstore import limits
 ENVIRONMENT_VARIABLE: Final = "HASTREAM_TUNING"
 _SWITCH_INTERVAL_MS_RANGE: Final = (0.05, 100.0)
 _SWITCHES: Final = {"on": True, "off": False}
+_JOURNAL_SEGMENT_BYTES_RANGE: Final = (64 * 1024, limits.RAFT_JOURNAL_SEGMENT_BYTES)
 _Number = TypeVar("_Number", int, float)
 
 
@@ -48,6 +50,9 @@ class Tuning:
     # The leader's own fdatasyncs run by the kernel (Linux AIO, storage/kernel_sync.py)
     # where it can. "off" measures the journal's helper thread instead.
     kernel_syncs: bool = True
+    # Raft journal segments of this many bytes instead of RAFT_JOURNAL_SEGMENT_BYTES (never
+    # more): a test's cluster fills, frees and reuses segments within seconds.
+    journal_segment_bytes: int | None = None
 
 
 DEFAULT: Final = Tuning()
@@ -117,12 +122,21 @@ def parse(text: str, alias: str) -> Tuning:
     kernel_syncs = DEFAULT.kernel_syncs
     if "kernel_syncs" in values:
         kernel_syncs = _switch("kernel_syncs", values["kernel_syncs"])
+    segment_bytes = None
+    if "journal_segment_bytes" in values:
+        segment_bytes = _number("journal_segment_bytes", values["journal_segment_bytes"], int)
+        low, high = _JOURNAL_SEGMENT_BYTES_RANGE
+        if not low <= segment_bytes <= high:
+            _refuse(
+                "journal_segment_bytes", values["journal_segment_bytes"], f"must be {low}..{high}"
+            )
     return Tuning(
         proposals_in_flight=in_flight,
         switch_interval_ms=switch_ms,
         trace_file=trace_file,
         yield_after_ack=yield_after_ack,
         kernel_syncs=kernel_syncs,
+        journal_segment_bytes=segment_bytes,
     )
 
 
@@ -139,6 +153,8 @@ def render(tuning: Tuning) -> str:
         parts.append(f"yield_after_ack={'on' if tuning.yield_after_ack else 'off'}")
     if tuning.kernel_syncs != DEFAULT.kernel_syncs:
         parts.append(f"kernel_syncs={'on' if tuning.kernel_syncs else 'off'}")
+    if tuning.journal_segment_bytes is not None:
+        parts.append(f"journal_segment_bytes={tuning.journal_segment_bytes}")
     return ",".join(parts)
 
 

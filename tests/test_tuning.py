@@ -19,12 +19,13 @@ def test_unset_is_the_products_defaults() -> None:
     assert tuning.DEFAULT.trace_file is None
     assert tuning.DEFAULT.yield_after_ack is None  # chosen from the machine at start
     assert tuning.DEFAULT.kernel_syncs is True
+    assert tuning.DEFAULT.journal_segment_bytes is None
 
 
 def test_every_knob_is_read_and_the_alias_substituted() -> None:
     text = (
         " proposals_in_flight=2, switch_interval_ms=0.5 ,trace_file=/tmp/<ALIAS>-trace.json,"
-        "yield_after_ack=off, kernel_syncs=off"
+        "yield_after_ack=off, kernel_syncs=off, journal_segment_bytes=262144"
     )
     assert tuning.from_environment({"HASTREAM_TUNING": text}, "node7") == tuning.Tuning(
         proposals_in_flight=2,
@@ -32,6 +33,7 @@ def test_every_knob_is_read_and_the_alias_substituted() -> None:
         trace_file=Path("/tmp/node7-trace.json"),
         yield_after_ack=False,
         kernel_syncs=False,
+        journal_segment_bytes=262144,
     )
     assert tuning.parse("kernel_syncs=on", "n") == tuning.DEFAULT
     assert tuning.parse("yield_after_ack=on", "n").yield_after_ack is True
@@ -48,6 +50,9 @@ def test_every_knob_is_read_and_the_alias_substituted() -> None:
         ("yield_after_ack=no", "yield_after_ack", "must be on or off"),
         ("yield_after_ack=", "yield_after_ack", "must be on or off"),
         ("kernel_syncs=aio", "kernel_syncs", "must be on or off"),
+        ("journal_segment_bytes=1000", "journal_segment_bytes", "must be 65536..67108864"),
+        ("journal_segment_bytes=67108865", "journal_segment_bytes", "must be 65536.."),
+        ("journal_segment_bytes=1MiB", "journal_segment_bytes", "not an integer"),
         ("peer_auth=off", "peer_auth", "unknown knob"),
         ("proposals_in_flight", "proposals_in_flight", "expected key=value"),
         ("proposals_in_flight=1,proposals_in_flight=2", "proposals_in_flight", "given twice"),
@@ -74,6 +79,7 @@ def test_no_knob_raises_a_bound_limits_py_sized_memory_by() -> None:
     trace=st.none() | st.sampled_from(["/tmp/a.json", "/var/tmp/x/trace.json"]),
     yield_after_ack=st.none() | st.booleans(),
     kernel_syncs=st.booleans(),
+    segment_bytes=st.none() | st.integers(64 * 1024, limits.RAFT_JOURNAL_SEGMENT_BYTES),
 )
 def test_render_reads_back(
     in_flight: int,
@@ -81,6 +87,7 @@ def test_render_reads_back(
     trace: str | None,
     yield_after_ack: bool | None,
     kernel_syncs: bool,
+    segment_bytes: int | None,
 ) -> None:
     knobs = tuning.Tuning(
         proposals_in_flight=in_flight,
@@ -88,6 +95,7 @@ def test_render_reads_back(
         trace_file=None if trace is None else Path(trace),
         yield_after_ack=yield_after_ack,
         kernel_syncs=kernel_syncs,
+        journal_segment_bytes=segment_bytes,
     )
     assert tuning.parse(tuning.render(knobs), "n") == knobs
 

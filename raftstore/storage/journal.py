@@ -1126,6 +1126,12 @@ class DurableJournal:
         kernel context opened already would stay in use."""
         self._kernel_syncs = False
 
+    def use_segment_bytes(self, segment_bytes_max: int) -> None:
+        """Roll segments at `segment_bytes_max` from now on, never more than it was opened
+        with (a measurement and test knob: tuning.py)."""
+        assert 0 < segment_bytes_max <= self._segment_bytes_max
+        self._segment_bytes_max = segment_bytes_max
+
     @property
     def sync_fd(self) -> int | None:
         """The eventfd the kernel's fdatasyncs report on (kernel_sync.py), if they run."""
