@@ -136,14 +136,34 @@ def test_a_reused_segment_reopens_at_its_last_record_and_cuts_the_earlier_record
 def test_records_of_the_earlier_use_that_line_up_with_the_log_end_are_not_taken(
     tmp_path: Path,
 ) -> None:
-    # Every record is the same length: the record after the log's end in the reused file
-    # starts exactly where the earlier use put a whole, valid (for its own seed) record.
+    """A power loss that kept a reused segment's records but not the zeros after the last
+    one: the earlier use's record there is whole, valid for its own crc32, and starts right
+    where the log ends (every record is the same length). It must end the log, not be read
+    as an entry nor as an index out of order."""
     for extra in range(15):
         directory = tmp_path / f"extra-{extra}"
-        journal, last = _with_a_reused_newest_segment(directory, extra)
+        journal = _open(directory)
+        _append(journal, 1, 60)
+        journal.drop_first(50)
+        before = {path.stat().st_ino: path.read_bytes() for path in _spares(directory)}
+        last = 60
+        while _version(segment_paths(directory)[-1]) != FILE_VERSION_REUSED:
+            last += 1
+            _append(journal, last, last)
+        _append(journal, last + 1, last + extra)
+        newest = segment_paths(directory)[-1]
+        end = journal._segments[-1].end
         journal.close()
+        earlier = before[newest.stat().st_ino]
+        record = _command(0)  # any: for the length
+        old = earlier[end : end + 24 + len(record)]
+        assert len(old) == 24 + len(record)
+        assert int.from_bytes(old[4:8], "little") == len(record)  # a whole record there
+        data = bytearray(newest.read_bytes())
+        data[end : end + len(old)] = old
+        newest.write_bytes(bytes(data))
         reopened = _open(directory)
-        assert _indexes(reopened) == list(range(51, last + 1))
+        assert _indexes(reopened) == list(range(51, last + extra + 1))
         reopened.close()
 
 
