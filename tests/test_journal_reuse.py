@@ -38,6 +38,16 @@ def _open(directory: Path, *, spares: int = 2, files: SimFiles | None = None) ->
     return DurableJournal(directory, segment_bytes_max=SEGMENT, spares_max=spares, files=files)
 
 
+def _with_spares(
+    directory: Path, *, spares: int = 2, files: SimFiles | None = None
+) -> DurableJournal:
+    """Entries 1-60 written and the first 50 dropped: the full segments freed are spares."""
+    journal = _open(directory, spares=spares, files=files)
+    _append(journal, 1, 60)
+    journal.drop_first(50)
+    return journal
+
+
 def _append(journal: DurableJournal, first: int, last: int, term: int = 1) -> None:
     for idx in range(first, last + 1):
         journal.append(_command(idx, term), idx, term)
@@ -66,9 +76,7 @@ def _with_a_reused_newest_segment(directory: Path, extra: int) -> tuple[DurableJ
     """Entries up to 60 written, the first 50 dropped (spares made), then more until one
     starts a reused segment, and `extra` more there (fewer than 16: the segment holds
     them): the journal and its last index. The earlier use's records follow them."""
-    journal = _open(directory)
-    _append(journal, 1, 60)
-    journal.drop_first(50)
+    journal = _with_spares(directory)
     assert _spares(directory)
     last = 60
     while _version(segment_paths(directory)[-1]) != FILE_VERSION_REUSED:
@@ -82,9 +90,7 @@ def _with_a_reused_newest_segment(directory: Path, extra: int) -> tuple[DurableJ
 def test_a_freed_full_segment_becomes_a_spare_and_the_next_segment_reuses_its_file(
     tmp_path: Path,
 ) -> None:
-    journal = _open(tmp_path)
-    _append(journal, 1, 60)
-    journal.drop_first(50)
+    journal = _with_spares(tmp_path)
     spares = _spares(tmp_path)
     assert len(spares) == 2  # spares_max: the rest were removed
     inodes = {path.stat().st_ino for path in spares}
@@ -142,9 +148,7 @@ def test_records_of_the_earlier_use_that_line_up_with_the_log_end_are_not_taken(
     as an entry nor as an index out of order."""
     for extra in range(15):
         directory = tmp_path / f"extra-{extra}"
-        journal = _open(directory)
-        _append(journal, 1, 60)
-        journal.drop_first(50)
+        journal = _with_spares(directory)
         before = {path.stat().st_ino: path.read_bytes() for path in _spares(directory)}
         last = 60
         while _version(segment_paths(directory)[-1]) != FILE_VERSION_REUSED:
@@ -206,9 +210,7 @@ def test_dropping_every_entry_of_a_reused_segment_then_reopening(tmp_path: Path)
 
 
 def test_spares_are_removed_when_the_journal_starts_over(tmp_path: Path) -> None:
-    journal = _open(tmp_path)
-    _append(journal, 1, 60)
-    journal.drop_first(50)
+    journal = _with_spares(tmp_path)
     journal.close()
     assert _spares(tmp_path)
     for path in segment_paths(tmp_path):
@@ -222,9 +224,7 @@ def test_spares_are_removed_when_the_journal_starts_over(tmp_path: Path) -> None
 
 
 def test_no_spares_are_kept_when_none_are_allowed(tmp_path: Path) -> None:
-    journal = _open(tmp_path, spares=0)
-    _append(journal, 1, 60)
-    journal.drop_first(50)
+    journal = _with_spares(tmp_path, spares=0)
     assert not _spares(tmp_path)
     journal.close()
 
@@ -236,9 +236,7 @@ def test_a_power_loss_while_writing_a_reused_segment_keeps_what_was_synced(seed:
     after them only whole entries that were written, in order."""
     sim = SimFiles(seed=seed)
     directory = Path("/node/group-1")
-    journal = _open(directory, files=sim)
-    _append(journal, 1, 60)
-    journal.drop_first(50)
+    journal = _with_spares(directory, files=sim)
     synced_last = 64 + seed % 9  # 65 on: in a reused segment
     _append(journal, 61, synced_last)
     for idx in range(synced_last + 1, synced_last + 1 + seed % 7 + 1):
@@ -257,9 +255,7 @@ def test_a_power_loss_while_writing_a_reused_segment_keeps_what_was_synced(seed:
 def test_a_kill_during_reuse_leaves_a_spare_or_a_segment_never_half_of_each(
     tmp_path: Path,
 ) -> None:
-    journal = _open(tmp_path)
-    _append(journal, 1, 60)
-    journal.drop_first(50)
+    journal = _with_spares(tmp_path)
     spare = _spares(tmp_path)[-1]
     # The header is rewritten and fsynced before the rename: a kill between leaves the
     # spare with its new header, and the next open keeps it a spare.
