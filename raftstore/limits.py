@@ -174,6 +174,10 @@ RAFT_JOURNAL_EXTEND_BYTES: Final = MIB
 # held between two checkpoints at most (RAFT_LOG_BYTES_MAX), as PostgreSQL keeps its WAL
 # segments up to max_wal_size.
 RAFT_JOURNAL_SPARES_MAX: Final = RAFT_LOG_BYTES_MAX // RAFT_JOURNAL_SEGMENT_BYTES
+# ... and only while the journal's file system has this much free besides the spare: on a
+# disk that is filling up, the space goes back to the data files (and to the journal's own
+# new segments) instead.
+RAFT_JOURNAL_SPARES_FREE_BYTES_MIN: Final = 1024 * MIB
 
 assert ENTRY_BYTES_MAX >= BATCH_BYTES_MAX + MIB, "one batch plus framing must fit an entry"
 assert BATCH_BYTES_MAX < 2**32, "a seal (checked_payload.py) holds payload offsets as u32"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hastream.errors import CorruptionError
-from raftstore.storage.files import PAGE_BYTES, SimFiles
+from raftstore.storage.files import PAGE_BYTES, REAL_FILES, SimFiles
 from raftstore.storage.journal import (
     FILE_VERSION_REUSED,
     SPARE_PREFIX,
@@ -32,10 +32,18 @@ def _command(idx: int, term: int = 1) -> bytes:
     return f"{idx:08d}-{term:04d}".encode().ljust(COMMAND, b".")
 
 
-def _open(directory: Path, *, spares: int = 2, files: SimFiles | None = None) -> DurableJournal:
-    if files is None:
-        return DurableJournal(directory, segment_bytes_max=SEGMENT, spares_max=spares)
-    return DurableJournal(directory, segment_bytes_max=SEGMENT, spares_max=spares, files=files)
+def _open(
+    directory: Path, *, spares: int = 2, files: SimFiles | None = None, free_min: int = 0
+) -> DurableJournal:
+    """Spares kept whatever the disk has free (`free_min`): the test machine's disk may be
+    nearly full."""
+    return DurableJournal(
+        directory,
+        segment_bytes_max=SEGMENT,
+        spares_max=spares,
+        spares_free_bytes_min=free_min,
+        files=REAL_FILES if files is None else files,
+    )
 
 
 def _with_spares(
@@ -227,6 +235,24 @@ def test_no_spares_are_kept_when_none_are_allowed(tmp_path: Path) -> None:
     journal = _with_spares(tmp_path, spares=0)
     assert not _spares(tmp_path)
     journal.close()
+
+
+@pytest.mark.parametrize(("free_min", "kept"), [(64 * 1024, True), (1024 * 1024, False)])
+def test_spares_are_kept_only_while_the_disk_has_room_besides(free_min: int, kept: bool) -> None:
+    """A disk of 256 KiB holding ~80 KiB of journal: 64 KiB free besides is there, a MiB
+    is not, and the freed segments are removed, their room given back."""
+    sim = SimFiles(disk_bytes_max=256 * 1024)
+    directory = Path("/node/group-1")
+    journal = _open(directory, files=sim, free_min=free_min)
+    _append(journal, 1, 60)
+    used = sim.bytes_used()
+    journal.drop_first(50)
+    spares = [name for name in sim.listdir(directory) if name.startswith(SPARE_PREFIX)]
+    assert bool(spares) == kept
+    assert (sim.bytes_used() < used - SEGMENT) != kept
+    _append(journal, 61, 100)
+    journal.close()
+    assert _indexes(_open(directory, files=sim)) == list(range(51, 101))
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -137,6 +137,11 @@ class Files(Protocol):
         """`os.replace`: atomic rename, over `target` if it exists."""
         ...
 
+    def free_bytes(self, path: Path, /) -> int:
+        """Bytes an unprivileged writer may still add on the file system holding `path`
+        (`statvfs`: f_bavail * f_frsize)."""
+        ...
+
     def unlink(self, path: Path, /) -> None: ...
 
     def listdir(self, path: Path, /) -> list[str]:
@@ -283,6 +288,11 @@ def _keep_cached(fd: int, position: int, length: int, /) -> None:
 _SYNC_FILE_RANGE_WRITE: Final = 2
 
 
+def _statvfs_free_bytes(path: Path, /) -> int:
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
 def _fsync_dir(path: Path, /) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -326,6 +336,7 @@ class RealFiles:
     ftruncate = staticmethod(os.ftruncate)
     size = staticmethod(_fstat_size)
     replace = staticmethod(os.replace)
+    free_bytes = staticmethod(_statvfs_free_bytes)
     unlink = staticmethod(os.unlink)
     listdir = staticmethod(os.listdir)
     mkdir = staticmethod(_mkdir)
@@ -1129,6 +1140,12 @@ class SimFiles:
             if not self._powered:
                 raise PowerLoss("size after the power loss")
             return len(self._handle(fd).node.data)
+
+    def free_bytes(self, path: Path, /) -> int:
+        """What `disk_bytes_max` leaves (a disk without one: as good as endless)."""
+        if self.disk_bytes_max is None:
+            return 1 << 62
+        return max(0, self.disk_bytes_max - self.bytes_used())
 
     def _handle_or_badf(self, fd: int) -> _SimHandle:
         with self._lock:

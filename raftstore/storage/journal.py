@@ -35,7 +35,8 @@ receives was most of the log, on the Raft thread). Segments before `journal_star
 crash left behind are removed at the next open.
 
 Reuse: a full segment a checkpoint freed is renamed `raft.spare.<n>` (up to
-RAFT_JOURNAL_SPARES_MAX of them) instead of removed, and the next new segment is a spare
+RAFT_JOURNAL_SPARES_MAX of them, while the disk has RAFT_JOURNAL_SPARES_FREE_BYTES_MIN free)
+instead of removed, and the next new segment is a spare
 renamed, its header rewritten as version 2: its blocks are written already, so its records
 need neither zeros written ahead of them nor fallocate's unwritten blocks converted at
 their fdatasync (x1.07-1.14 rows/s at waited 10,000-row appends, docs/benchmark.md). Each
@@ -283,6 +284,7 @@ class DurableJournal:
         segment_bytes_max: int = limits.RAFT_JOURNAL_SEGMENT_BYTES,
         extend_bytes: int = limits.RAFT_JOURNAL_EXTEND_BYTES,
         spares_max: int = limits.RAFT_JOURNAL_SPARES_MAX,
+        spares_free_bytes_min: int = limits.RAFT_JOURNAL_SPARES_FREE_BYTES_MIN,
         kernel_syncs: bool = True,
     ) -> None:
         self._files = files
@@ -290,6 +292,7 @@ class DurableJournal:
         self._segment_bytes_max = segment_bytes_max
         self._extend_bytes = extend_bytes
         self._spares_max = spares_max
+        self._spares_free_bytes_min = spares_free_bytes_min
         self._spares: list[Path] = []  # freed segments kept for reuse
         ensure_dir(files, directory, root=directory)
         self._directory = directory
@@ -777,7 +780,7 @@ class DurableJournal:
                 self._files.close(segment.fd)
         try:
             for segment in reversed(gone):
-                if len(self._spares) < self._spares_max and segment.size >= self._segment_bytes_max:
+                if self._keeps_spare(segment):
                     spare = self._directory / f"{SPARE_PREFIX}{segment.seq}"
                     self._files.replace(segment.path, spare)
                     self._spares.append(spare)
@@ -791,6 +794,17 @@ class DurableJournal:
                 self._directory,
                 error,
             )
+
+    def _keeps_spare(self, segment: _Segment) -> bool:
+        """Whether a freed `segment` is kept as a spare: a full one, while there are
+        fewer than `spares_max` and the disk has `spares_free_bytes_min` free besides."""
+        if len(self._spares) >= self._spares_max or segment.size < self._segment_bytes_max:
+            return False
+        try:
+            free = self._files.free_bytes(self._directory)
+        except OSError:
+            return False
+        return free >= self._spares_free_bytes_min
 
     def _command(self, i: int) -> bytes:
         command = self._commands[i]
