@@ -35,18 +35,18 @@ receives was most of the log, on the Raft thread). Segments before `journal_star
 crash left behind are removed at the next open.
 
 Reuse: a full segment a checkpoint freed is renamed `raft.spare.<n>` (up to
-RAFT_JOURNAL_SPARES_MAX of them, while the disk has RAFT_JOURNAL_SPARES_FREE_BYTES_MIN free)
-instead of removed, and the next new segment is a spare
-renamed, its header rewritten as version 2: its blocks are written already, so its records
-need neither zeros written ahead of them nor fallocate's unwritten blocks converted at
-their fdatasync (x1.07-1.14 rows/s at waited 10,000-row appends, docs/benchmark.md). Each
-write there runs on with zeros to the end of its page (a write into part of a page the
-cache no longer holds reads the page from the disk first; the next write starts in this
-cached page). Recovery of such a segment stops at the first record that fails: what
-follows is the earlier use's records, or the page's zeros, not corruption, unless a valid
-record of the next index follows (searched for by its 8 index bytes): then the failing
-record is damage in the middle of the log, as in version 1. Opening cuts the segment there
-(the old records after it gone, so none of the same seed can outlive a crash).
+RAFT_JOURNAL_SPARES_MAX of them, while the disk has RAFT_JOURNAL_SPARES_FREE_BYTES_MIN
+free) instead of removed, and the next new segment is a spare renamed, its header rewritten
+as version 2: its blocks are written already, so its records need neither zeros written
+ahead of them nor fallocate's unwritten blocks converted at their fdatasync (x1.16 rows/s
+at waited 10,000-row appends, x1.17 pipelined: docs/benchmark.md). Each write there runs on
+with zeros to the end of its page (a write into part of a page the cache no longer holds
+reads the page from the disk first; the next write starts in this cached page). Recovery of
+such a segment stops at the first record that fails: what follows is the earlier use's
+records, or the page's zeros, not corruption, unless a valid record of the next index
+follows (searched for by its 8 index bytes): then the failing record is damage in the
+middle of the log, as in version 1. Opening cuts the segment there (the old records after
+it gone, so none of the same seed can outlive a crash).
 
 `add()` only writes (page cache); `sync()` makes everything written so far durable with one
 fdatasync. The replication adapter calls `sync()` before a follower acknowledges entries and
