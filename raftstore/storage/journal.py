@@ -119,7 +119,7 @@ log = logging.getLogger(__name__)
 
 FILE_MAGIC: Final = b"HSRJ"
 FILE_VERSION: Final = 1
-FILE_VERSION_REUSED: Final = 2  # a spare reused: records' crc32 seeded (_segment_seed)
+FILE_VERSION_REUSED: Final = 2  # a spare reused: records' crc32 seeded (_Segment.take_version)
 _FILE_HEADER: Final = struct.Struct("<4sB3x")
 _RECORD_HEADER: Final = struct.Struct("<IIQQ")  # crc32, command_len, idx, term
 _CRC_COVERED: Final = struct.Struct("<IQQ")  # command_len, idx, term
@@ -154,13 +154,6 @@ def _page_rest(end: int, size: int) -> memoryview:
     """Zeros from `end` to the end of its page, not past `size` (a reused segment's writes
     cover their last page whole: `DurableJournal.append`)."""
     return _ZERO_PAGE[: max(0, min(-end % PAGE_BYTES, size - end))]
-
-
-def _segment_seed(seq: int, version: int) -> int:
-    """Where a record's crc32 starts in segment `seq`: 0 (plain crc32) in version 1; in a
-    reused segment the crc32 of its number, which no earlier use of the file had (numbers
-    only grow, and spares are removed when a journal starts over)."""
-    return crc32(_INDEX.pack(seq)) if version == FILE_VERSION_REUSED else 0
 
 
 def segment_path(directory: Path, seq: int) -> Path:
@@ -220,8 +213,19 @@ class _Segment:
     # earlier use's records still after `end`.
     size: int
     dropped: int = 0  # the page cache was told to forget [0, dropped) (_drop_behind)
-    reused: bool = False  # a spare's file (FILE_VERSION_REUSED)
-    seed: int = 0  # where its records' crc32 starts (_segment_seed)
+    version: int = FILE_VERSION  # FILE_VERSION_REUSED: a spare's file
+    seed: int = 0  # where its records' crc32 starts: set with the version (`take_version`)
+
+    def take_version(self, version: int) -> None:
+        """The header's version, and with it the seed: 0 (plain crc32) in version 1; in a
+        reused segment the crc32 of its number, which no earlier use of the file had
+        (numbers only grow, and spares are removed when a journal starts over)."""
+        self.version = version
+        self.seed = crc32(_INDEX.pack(self.seq)) if version == FILE_VERSION_REUSED else 0
+
+    @property
+    def reused(self) -> bool:
+        return self.version == FILE_VERSION_REUSED
 
 
 class SyncWaker(Protocol):
@@ -411,14 +415,11 @@ class DurableJournal:
         """The spares in the directory; all removed instead unless `keep`
         (a journal that starts over numbers its segments anew, and a spare's old records
         could then carry the seed of a new segment of its number)."""
-        spares = sorted(
-            (
-                self._directory / name
-                for name in self._files.listdir(self._directory)
-                if name.startswith(SPARE_PREFIX) and name[len(SPARE_PREFIX) :].isdigit()
-            ),
-            key=lambda path: int(path.name[len(SPARE_PREFIX) :]),
-        )
+        spares = [
+            self._directory / name
+            for name in self._files.listdir(self._directory)
+            if name.startswith(SPARE_PREFIX) and name[len(SPARE_PREFIX) :].isdigit()
+        ]
         if keep:
             return spares
         for path in spares:  # an OSError fails the open: the node retries it at its start
@@ -473,9 +474,9 @@ class DurableJournal:
             with contextlib.suppress(OSError):
                 self._files.unlink(path)
             return None
-        end = _FILE_HEADER.size
-        seed = _segment_seed(seq, FILE_VERSION_REUSED)
-        return _Segment(seq, path, fd, end, max(size, end), reused=True, seed=seed)
+        segment = _Segment(seq, path, fd, _FILE_HEADER.size, max(size, _FILE_HEADER.size))
+        segment.take_version(FILE_VERSION_REUSED)
+        return segment
 
     def _recover_segment(self, segment: _Segment, start: int | None, *, last: bool) -> None:
         """Load the records of `segment` from `start` (None: after its header). Only the
@@ -493,8 +494,7 @@ class DurableJournal:
         magic, version = _FILE_HEADER.unpack_from(data, 0)
         if magic != FILE_MAGIC or version not in (FILE_VERSION, FILE_VERSION_REUSED):
             raise CorruptionError(str(segment.path), 0, f"bad journal header {magic!r} v{version}")
-        segment.reused = version == FILE_VERSION_REUSED
-        segment.seed = _segment_seed(segment.seq, version)
+        segment.take_version(version)
         position = _FILE_HEADER.size if start is None else start
         if position > len(data):
             raise CorruptionError(

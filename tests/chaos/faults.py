@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from raftstore.storage.files import REAL_FILES
+
 MIB: Final = 1024 * 1024
 RECORD_HEADER_BYTES: Final = 48  # data-file record header (storage/format.py)
 _PAYLOAD_LENGTH: Final = struct.Struct("<I")  # at byte 8 of a record header
@@ -93,8 +95,7 @@ class Tmpfs:
 
 def free_bytes(path: Path) -> int:
     """Bytes an unprivileged writer may still write on the file system holding `path`."""
-    stat = os.statvfs(path)
-    return stat.f_bavail * stat.f_frsize
+    return REAL_FILES.free_bytes(path)
 
 
 def _run_mount(command: list[str]) -> None:
