@@ -79,7 +79,7 @@ def test_reused_journal_segments_keep_every_acknowledged_row_through_kills(
 
         wait_until(warm_up, timeout_s=60, message="a segment reused")
         warm_rows = len(publisher.acked)
-        acked = list(range(warm_rows)) + publish_through_faults(cluster, publish, step=40 * ROWS)
+        acked = list(range(warm_rows)) + publish_through_faults(cluster, publish, step=10 * ROWS)
         for alias in list(cluster.alive()):  # all at once: every journal recovered
             cluster.kill(alias)
         for alias in cluster.nodes:
