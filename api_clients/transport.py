@@ -10,6 +10,7 @@ errors below, with the site and what the status said:
 | UNAVAILABLE, CANCELLED | `SiteUnavailable(site, code, details)` | yes: another site may answer |
 | DEADLINE_EXCEEDED | `DeadlineExceeded(site, timeout_s)` | yes, and the outcome is unknown |
 | RESOURCE_EXHAUSTED "slow consumer: ..." | `SlowConsumer(reason)` | yes: resubscribe |
+| RESOURCE_EXHAUSTED, gRPC's refusal past `wire.NODE_CALLS_MAX` calls | `Overloaded` | yes: busy |
 | any other | `RpcFailed(site, code, details)` | no: a bug or a refusal, shown as it is |
 
 Streams add two failures of their own: `StreamBroken(site, detail)` (a stream that ended or
@@ -31,7 +32,7 @@ from typing import Any
 import grpc
 
 from hastream import errors, wire
-from hastream.errors import RaftStoreError, SlowConsumer
+from hastream.errors import Overloaded, RaftStoreError, SlowConsumer
 
 # Transport failures after which another site may answer.
 _UNAVAILABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
@@ -175,6 +176,10 @@ def typed_error(rpc_error: grpc.RpcError, site: str, timeout_s: float | None) ->
         wire.SLOW_CONSUMER_DETAILS_PREFIX
     ):
         return SlowConsumer(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details == wire.NODE_CALLS_REFUSED_DETAILS:
+        # gRPC refused the call before the node saw it: the node runs NODE_CALLS_MAX calls
+        # already. Busy, not gone, so the call policy retries the same site after a backoff.
+        return Overloaded(f"gRPC calls at {site}", wire.NODE_CALLS_MAX)
     if code in _UNAVAILABLE_CODES:
         return SiteUnavailable(site, name, details)
     return RpcFailed(site, name, details)

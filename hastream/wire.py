@@ -43,6 +43,13 @@ PIPELINE_BATCH_REQUESTS_MAX: Final = 256
 # at this bound (so a stream holds at most this plus one message, GRPC_MESSAGE_BYTES_MAX).
 PIPELINE_IN_FLIGHT_BYTES_MAX: Final = 64 * MIB
 
+# The calls a node's gRPC server runs at once (its maximum_concurrent_rpcs): every stream
+# slot (STREAMS_MAX in raftstore's limits) and the unary workers, less a few workers kept
+# free. gRPC itself refuses a call past it, before any handler runs, with RESOURCE_EXHAUSTED
+# and these details; the client turns that into a retryable Overloaded.
+NODE_CALLS_MAX: Final = 312
+NODE_CALLS_REFUSED_DETAILS: Final = "Concurrent RPC limit exceeded!"
+
 # Names.
 TABLE_NAME_BYTES_MAX: Final = 128
 # A table name: a letter, then letters, digits and underscores (at most TABLE_NAME_BYTES_MAX).

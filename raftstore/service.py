@@ -917,7 +917,7 @@ def start_server(
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 2_000),
             ("grpc.http2.max_ping_strikes", 0),
         ],
-        maximum_concurrent_rpcs=GRPC_WORKERS - 4,
+        maximum_concurrent_rpcs=limits.NODE_CALLS_MAX,  # past it: Overloaded at the client
         interceptors=[_PublishViews()],
     )
     hastream_pb2_grpc.add_StreamTableServicer_to_server(StreamTableService(node), server)

@@ -137,15 +137,19 @@ def _code(channel: grpc.Channel, method: str, payload: bytes, timeout: float = 1
 def test_a_request_is_answered(served: tuple[_Handlers, grpc.Channel]) -> None:
     _, channel = served
     for size in (0, 1, 100_000):
-        assert _call(channel, "echo", b"r" * size) == b"r" * size
+        assert _once_accepted(channel, "echo", b"r" * size) == b"r" * size
 
 
 def test_errors_keep_their_status(served: tuple[_Handlers, grpc.Channel]) -> None:
     _, channel = served
-    assert _code(channel, "fail", b"x")[0] == grpc.StatusCode.UNKNOWN
-    assert _code(channel, "abort", b"x") == (grpc.StatusCode.FAILED_PRECONDITION, "refused: x")
-    assert _code(channel, "echo", b"garbage")[0] == grpc.StatusCode.INTERNAL
-    assert _call(channel, "echo", b"after") == b"after"  # the server still serves
+    # maximum_concurrent_rpcs=1: each call waits until the server counts the last one ended
+    assert _once_accepted(channel, "fail", b"x")[0] == grpc.StatusCode.UNKNOWN
+    assert _once_accepted(channel, "abort", b"x") == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "refused: x",
+    )
+    assert _once_accepted(channel, "echo", b"garbage")[0] == grpc.StatusCode.INTERNAL
+    assert _once_accepted(channel, "echo", b"after") == b"after"  # the server still serves
 
 
 def _once_accepted(

@@ -5,6 +5,7 @@ changes nothing; publishes keep flowing while the stream slots are full."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,15 +15,23 @@ import grpc
 import pyarrow as pa
 import pytest
 
+from api_clients import Session, transport
 from api_clients.transport import typed_error
 from hastream.errors import Overloaded, SlowConsumer, TooManyTopics
+from hastream.wire import NODE_CALLS_MAX
 from proto import hastream_pb2 as pb
 from proto import hastream_pb2_grpc
 from raftstore import limits
 from raftstore.admission import StreamSlots
 from raftstore.slow_consumers import SlowConsumers
 from raftstore.threads import Threads
-from tests.harness import AckedPublisher, LocalCluster, ipc_stream, wait_until
+from tests.harness import (
+    AckedPublisher,
+    LocalCluster,
+    assert_replicas_hold_exactly,
+    ipc_stream,
+    wait_until,
+)
 from tests.shell import Shell, raises
 
 SCHEMA = pa.schema([("id", pa.int64()), ("ts", pa.timestamp("ms")), ("sym", pa.string())])
@@ -277,5 +286,65 @@ def test_subscribers_that_read_nothing_are_disconnected_and_cost_bounded_memory(
         for channel in channels:
             channel.close()
         wait_until(lambda: cluster.status(leader)["streams_open"] == 0, timeout_s=10)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.cluster
+def test_a_call_past_the_nodes_call_limit_is_overloaded_and_retried(tmp_path: Path) -> None:
+    """gRPC refuses a call past a node's maximum_concurrent_rpcs (NODE_CALLS_MAX) before
+    any handler runs, with its own RESOURCE_EXHAUSTED and none of the node's typed metadata.
+    The client raises Overloaded, retryable, the refused call changes nothing, and a Session
+    call retries the busy node until calls there end. The node is filled with publishes that
+    wait for a quorum: both followers are stopped (a long election timeout keeps the leader
+    from falling back meanwhile), then resumed."""
+    cluster = LocalCluster(tmp_path / "cluster", election_timeout_s=5.0)
+    cluster.start()
+    try:
+        cluster.create_table("calls", SCHEMA, key_column="id")
+        leader = cluster.leader()
+        site = cluster.nodes[leader].site
+        followers = [alias for alias in cluster.alive() if alias != leader]
+        acked = AckedPublisher(cluster, "calls", SCHEMA)
+        stub = cluster.stub(leader)
+
+        def publish(first_key: int) -> pb.PublishRequest:
+            return pb.PublishRequest(table="calls", payload=ipc_stream(acked.batch(first_key, 1)))
+
+        for alias in followers:
+            cluster.signal(alias, signal.SIGSTOP)
+        held = [stub.Publish.future(publish(key), timeout=60) for key in range(NODE_CALLS_MAX)]
+        info = pb.TableRequest(table="calls")
+
+        def refused_for_its_calls() -> Overloaded | None:
+            try:
+                transport.unary(stub, "GetTableInfo", info, site, 5.0)
+            except Overloaded as error:
+                return error
+            return None  # the held publishes are not all in yet
+
+        refused = wait_until(refused_for_its_calls, timeout_s=7, message="the node full")
+        assert refused.retryable
+        assert refused.limit == NODE_CALLS_MAX
+        assert site in str(refused)
+        with pytest.raises(Overloaded):  # refused before any handler: nothing appended
+            transport.unary(stub, "Publish", publish(NODE_CALLS_MAX), site, 5.0)
+        answered: list[str] = []
+        with Session([site], deadline_s=60) as session:
+            asking = threading.Thread(
+                target=lambda: answered.append(session.getTableInfo("calls").table)
+            )
+            asking.start()
+            for alias in followers:
+                cluster.signal(alias, signal.SIGCONT)
+            asking.join(timeout=60)
+        assert answered == ["calls"]  # once the held calls ended
+        for key, future in enumerate(held):
+            if future.exception(timeout=60) is None:
+                acked.acked.append(key)
+        assert acked.acked, "no held publish was acknowledged"
+        assert_replicas_hold_exactly(cluster, "calls", acked.acked, ordered=False)
+        rows = cluster.read_table(leader, "calls").column("id").to_pylist()
+        assert NODE_CALLS_MAX not in rows  # the refused publish
     finally:
         cluster.stop()
