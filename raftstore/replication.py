@@ -505,6 +505,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             self._checkpoint_forced_until = now + _CHECKPOINT_FORCE_S
             self.forceLogCompaction()
         self._hooks.on_tick()
+        self._journal.check_spares_room(now)
         self._check_hosted()
         self._replica.check_rejoined()
         self._replica.observe_leader()

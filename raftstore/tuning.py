@@ -51,7 +51,8 @@ class Tuning:
     # where it can. "off" measures the journal's helper thread instead.
     kernel_syncs: bool = True
     # Raft journal segments of this many bytes instead of RAFT_JOURNAL_SEGMENT_BYTES (never
-    # more): a test's cluster fills, frees and reuses segments within seconds.
+    # more; the room spares need free scales with them): a test's cluster fills, frees and
+    # reuses segments within seconds.
     journal_segment_bytes: int | None = None
 
 

@@ -3,6 +3,7 @@ file: whatever it holds, every read answers as a plain list of the entries would
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hastream.errors import CorruptionError
 from raftstore.storage.files import PAGE_BYTES, SimFiles
-from raftstore.storage.journal import DurableJournal, Entry
+from raftstore.storage.journal import SPARE_PREFIX, SPARES_ROOM_CHECK_S, DurableJournal, Entry
 
 pytestmark = pytest.mark.storage
 
@@ -48,6 +49,7 @@ class JournalAgainstAList(RuleBasedStateMachine):
         self.synced = 0  # the model's first entries known to be on disk
         self.next_idx = 1
         self.term = 1
+        self.clock = 0.0  # the tick's monotonic clock, for the journal's look at the room
 
     def _open(self) -> DurableJournal:
         return DurableJournal(
@@ -74,6 +76,40 @@ class JournalAgainstAList(RuleBasedStateMachine):
             self.journal.append(command, self.next_idx, self.term)
             self.model.append((command, self.next_idx, self.term))
             self.next_idx += 1
+
+    @rule(size=st.integers(0, 40))
+    def append_on_a_full_disk(self, size: int) -> None:
+        """Someone else fills the disk: an append that needs new room fails with nothing
+        changed and gives every spare back; once there is room, its resend goes in."""
+        command = self._command(bytes([size % 256]) * size)
+        self.sim.disk_bytes_max = self.sim.bytes_used()
+        refused: OSError | None = None
+        try:
+            self.journal.append(command, self.next_idx, self.term)
+        except OSError as error:
+            refused = error
+        finally:
+            self.sim.disk_bytes_max = None
+        if refused is not None:
+            assert refused.errno == errno.ENOSPC, refused
+            assert not self._spares()
+            assert self.journal[:] == self.model
+            self.journal.append(command, self.next_idx, self.term)
+        self.model.append((command, self.next_idx, self.term))
+        self.next_idx += 1
+
+    @rule(full=st.booleans())
+    def look_at_the_room(self, full: bool) -> None:
+        """The tick's look at the file system: on a full disk the spares go."""
+        self.clock += SPARES_ROOM_CHECK_S
+        self.sim.disk_bytes_max = self.sim.bytes_used() if full else None
+        kept = self._spares()
+        self.journal.check_spares_room(self.clock)
+        self.sim.disk_bytes_max = None
+        assert self._spares() == ([] if full else kept)
+
+    def _spares(self) -> list[str]:
+        return sorted(name for name in self.sim.listdir(SIM_DIR) if name.startswith(SPARE_PREFIX))
 
     @rule()
     def sync(self) -> None:

@@ -9,21 +9,26 @@ would. A kill -9 is the real files left as they are (`_kill`)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from hastream.errors import CorruptionError
+from raftstore import limits
 from raftstore.storage.files import PAGE_BYTES, REAL_FILES, SimFiles
 from raftstore.storage.journal import (
     FILE_VERSION_REUSED,
     SPARE_PREFIX,
+    SPARES_ROOM_CHECK_S,
     DurableJournal,
     segment_paths,
 )
+from tests.chaos.faults import Tmpfs
 
 pytestmark = pytest.mark.storage
 
@@ -32,6 +37,7 @@ pytestmark = pytest.mark.storage
 # earlier use's records in the pages after).
 COMMAND = 1000
 SEGMENT = 16 * 1024
+SMALL_DISK = 8 * 1024 * 1024  # the tmpfs of the tests of a disk that fills up
 
 
 def _command(idx: int, term: int = 1) -> bytes:
@@ -262,6 +268,98 @@ def test_spares_are_kept_only_while_the_disk_has_room_besides(tmp_path: Path, ke
     _append(journal, 61, 100)
     journal.close()
     assert _indexes(_open(tmp_path)) == list(range(51, 101))
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Tmpfs]:
+    """A real file system that fills up: a tmpfs of SMALL_DISK bytes (root only)."""
+    disk = Tmpfs(tmp_path / "small", SMALL_DISK).mount_or_skip()
+    try:
+        yield disk
+    finally:
+        disk.unmount()
+
+
+def test_spares_are_given_back_once_the_disk_has_less_room_free_than_asked_for(
+    small_disk: Tmpfs, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = small_disk.path
+    journal = _open(directory, free_min=SMALL_DISK // 4)
+    _append(journal, 1, 60)
+    journal.drop_first(50)
+    assert len(_spares(directory)) == 2
+    journal.check_spares_room(100.0)  # the disk nearly empty: kept
+    assert len(_spares(directory)) == 2
+    small_disk.fill()  # filled up by someone else (the data files, another journal)
+    journal.check_spares_room(100.0 + SPARES_ROOM_CHECK_S / 2)  # not asked again so soon
+    assert len(_spares(directory)) == 2
+    with caplog.at_level(logging.WARNING):
+        journal.check_spares_room(100.0 + SPARES_ROOM_CHECK_S)
+    assert not _spares(directory)
+    assert "journal spares removed" in caplog.text
+    assert small_disk.free_bytes() >= 2 * SEGMENT  # their room is the file system's again
+    _append(journal, 61, 62)  # the journal goes on in that room
+    journal.close()
+    assert _indexes(_open(directory)) == list(range(51, 63))
+
+
+def test_a_write_that_finds_the_disk_full_gives_the_spares_back_and_its_retry_goes_in(
+    small_disk: Tmpfs, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The newest segment grows a page at a time (a new file: spares are only reused by a
+    roll), so its appends need new blocks now and then."""
+    directory = small_disk.path
+    journal = DurableJournal(
+        directory,
+        segment_bytes_max=SEGMENT,
+        extend_bytes=PAGE_BYTES,
+        spares_max=2,
+        spares_free_bytes_min=0,
+    )
+    _append(journal, 1, 50)  # segments 0-2 full, 49 and 50 in segment 3
+    journal.drop_first(40)  # segments 0 and 1 freed: the spares
+    assert len(_spares(directory)) == 2
+    small_disk.fill()
+    with caplog.at_level(logging.WARNING):
+        last, full = _append_until_refused(journal, 50)
+    assert full.errno == errno.ENOSPC
+    assert not _spares(directory)
+    assert "journal spares removed" in caplog.text
+    journal.append(_command(last + 1), last + 1, 1)  # the retry (pysyncobj's resend)
+    _append(journal, last + 2, last + 3)
+    journal.close()
+    small_disk.filler.unlink()
+    assert _indexes(_open(directory)) == list(range(41, last + 4))
+
+
+def _append_until_refused(journal: DurableJournal, last: int) -> tuple[int, OSError]:
+    """Append after `last` until a write fails: the last index in and the error."""
+    for _ in range(SEGMENT // COMMAND):  # bounded: the segment grows before it is full
+        try:
+            journal.append(_command(last + 1), last + 1, 1)
+        except OSError as error:
+            return last, error
+        last += 1
+    raise AssertionError(f"appends up to {last} all went in")
+
+
+def test_smaller_segments_ask_for_proportionally_less_room_to_keep_spares(
+    small_disk: Tmpfs,
+) -> None:
+    """Asked for RAFT_JOURNAL_SPARES_FREE_BYTES_MIN (1 GiB, the default): none kept on this
+    small disk; rolling at SEGMENT bytes through the tuning knob asks for
+    RAFT_JOURNAL_SPARES_FREE_SEGMENTS segments of room instead: kept."""
+    assert limits.RAFT_JOURNAL_SPARES_FREE_SEGMENTS * SEGMENT < SMALL_DISK // 2
+    directory = small_disk.path
+    journal = DurableJournal(directory, segment_bytes_max=SEGMENT, spares_max=2)
+    _append(journal, 1, 60)
+    journal.drop_first(50)
+    assert not _spares(directory)
+    journal.use_segment_bytes(SEGMENT)
+    _append(journal, 61, 120)
+    journal.drop_first(50)
+    assert len(_spares(directory)) == 2
+    journal.close()
 
 
 @pytest.mark.parametrize("seed", range(40))

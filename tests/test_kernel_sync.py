@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hastream.errors import CorruptionError
 from raftstore.storage.journal import DurableJournal
 from raftstore.storage.kernel_sync import KernelSync, open_kernel_sync
-from tests.chaos.faults import MountRefused, Tmpfs
+from tests.chaos.faults import Tmpfs
 
 pytestmark = pytest.mark.storage
 
@@ -88,11 +88,7 @@ def failing_disk(tmp_path: Path) -> Iterator[tuple[Path, Tmpfs]]:
     tools = ("losetup", "mkfs.ext4", "mount", "umount")
     if os.geteuid() != 0 or any(shutil.which(tool) is None for tool in tools):
         pytest.skip("needs root and losetup, mkfs.ext4, mount (a loop device on a tmpfs)")
-    backing = Tmpfs(tmp_path / "backing", 24 << 20)
-    try:
-        backing.mount()
-    except MountRefused as refused:
-        pytest.skip(f"tmpfs cannot be mounted here: {refused}")
+    backing = Tmpfs(tmp_path / "backing", 24 << 20).mount_or_skip()
     mounted = tmp_path / "ext4"
     mounted.mkdir()
     loop = ""

@@ -46,7 +46,10 @@ such a segment stops at the first record that fails: what follows is the earlier
 records, or the page's zeros, not corruption, unless a valid record of the next index
 follows (searched for by its 8 index bytes): then the failing record is damage in the
 middle of the log, as in version 1. Opening cuts the segment there (the old records after
-it gone, so none of the same seed can outlive a crash).
+it gone, so none of the same seed can outlive a crash). Spares give their room back to the
+file system: all of them once a look at the disk (at most once a second, from the Raft
+tick's housekeeping: `check_spares_room`) finds less than RAFT_JOURNAL_SPARES_FREE_BYTES_MIN
+free, or at once when a write of this journal finds the disk full (ENOSPC, EDQUOT).
 
 `add()` only writes (page cache); `sync()` makes everything written so far durable with one
 fdatasync. The replication adapter calls `sync()` before a follower acknowledges entries and
@@ -87,6 +90,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -127,6 +131,9 @@ META_KIND: Final = b"META"
 COMMAND_BYTES_MAX: Final = 1 << 31
 SEGMENT_NAME: Final = "raft.journal"  # segment 0; segment n is "raft.journal.<n>"
 SPARE_PREFIX: Final = "raft.spare."  # a freed segment kept for reuse: "raft.spare.<n>"
+# How often a journal holding spares asks the file system for its free room (statvfs).
+SPARES_ROOM_CHECK_S: Final = 1.0
+_NO_ROOM: Final = frozenset({errno.ENOSPC, errno.EDQUOT})  # a write's errno: the disk is full
 _INDEX: Final = struct.Struct("<Q")
 _INDEX_OFFSET: Final = 8  # where a record header holds its idx
 _ZERO_PAGE: Final = memoryview(bytes(PAGE_BYTES))
@@ -298,6 +305,7 @@ class DurableJournal:
         self._spares_max = spares_max
         self._spares_free_bytes_min = spares_free_bytes_min
         self._spares: list[Path] = []  # freed segments kept for reuse
+        self._spares_room_checked_at = float("-inf")  # check_spares_room's last look
         ensure_dir(files, directory, root=directory)
         self._directory = directory
         self._meta_path = directory / "raft.meta"
@@ -648,15 +656,20 @@ class DurableJournal:
         started = trace.clock()
         header, body = _encode_record(command, idx, term, segment.seed)
         end = position + len(header) + len(body)
-        if end > segment.size:
-            self._grow(segment, end)
         buffers: list[bytes | memoryview] = [header, body]
-        if segment.reused:
-            buffers.append(_page_rest(end, segment.size))
         try:
-            write_all_at(self._files, segment.fd, position, buffers)
+            if end > segment.size:
+                self._grow(segment, end)
+            if segment.reused:
+                buffers.append(_page_rest(end, segment.size))
+            try:
+                write_all_at(self._files, segment.fd, position, buffers)
+            except OSError as error:
+                self._cut_back(segment, position, error)
+                raise
         except OSError as error:
-            self._cut_back(segment, position, error)
+            if error.errno in _NO_ROOM:  # the zeros' growth or the record found the disk full
+                self._release_spares(f"a write failed: {error}")
             raise
         segment.end = end
         segment.size = max(segment.size, segment.end)  # a write past the zeros grew the file
@@ -800,11 +813,47 @@ class DurableJournal:
         fewer than `spares_max` and the disk has `spares_free_bytes_min` free besides."""
         if len(self._spares) >= self._spares_max or segment.size < self._segment_bytes_max:
             return False
+        free = self._free_bytes()
+        return free is not None and free >= self._spares_free_bytes_min
+
+    def _free_bytes(self) -> int | None:
+        """The journal's file system's free room; None when `statvfs` fails."""
         try:
-            free = self._files.free_bytes(self._directory)
+            return self._files.free_bytes(self._directory)
         except OSError:
-            return False
-        return free >= self._spares_free_bytes_min
+            return None
+
+    def check_spares_room(self, now: float) -> None:
+        """Give the spares' room back once the file system has less than
+        `spares_free_bytes_min` free: the data files, another journal or another program
+        filled it since they were kept, and the room is theirs first. Called from the Raft
+        tick's housekeeping with its monotonic clock; looks at most every
+        SPARES_ROOM_CHECK_S, and not at all while the journal holds no spare."""
+        if not self._spares or now < self._spares_room_checked_at + SPARES_ROOM_CHECK_S:
+            return
+        self._spares_room_checked_at = now
+        free = self._free_bytes()  # None, no answer: kept, and asked again at the next look
+        if free is not None and free < self._spares_free_bytes_min:
+            self._release_spares(f"{free} bytes free, under {self._spares_free_bytes_min}")
+
+    def _release_spares(self, reason: str) -> None:
+        """Remove every spare now. Not made durable (no directory fsync): a spare a crash
+        brings back is only reused, or removed by the next look."""
+        released = 0
+        while self._spares:
+            spare = self._spares.pop()
+            try:
+                self._files.unlink(spare)
+            except FileNotFoundError:
+                continue
+            except OSError as error:
+                log.warning("journal spare not removed path=%s: %s", spare, error)
+                continue
+            released += 1
+        if released:
+            log.warning(
+                "journal spares removed dir=%s count=%d: %s", self._directory, released, reason
+            )
 
     def _command(self, i: int) -> bytes:
         command = self._commands[i]
@@ -1142,9 +1191,12 @@ class DurableJournal:
 
     def use_segment_bytes(self, segment_bytes_max: int) -> None:
         """Roll segments at `segment_bytes_max` from now on, never more than it was opened
-        with (a measurement and test knob: tuning.py)."""
+        with (a measurement and test knob: tuning.py). The room kept free besides spares
+        scales with them (RAFT_JOURNAL_SPARES_FREE_SEGMENTS segments)."""
         assert 0 < segment_bytes_max <= self._segment_bytes_max
         self._segment_bytes_max = segment_bytes_max
+        room = limits.RAFT_JOURNAL_SPARES_FREE_SEGMENTS * segment_bytes_max
+        self._spares_free_bytes_min = min(self._spares_free_bytes_min, room)
 
     @property
     def sync_fd(self) -> int | None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import pytest
+
 from raftstore.storage.files import REAL_FILES
 
 MIB: Final = 1024 * 1024
@@ -54,6 +56,14 @@ class Tmpfs:
             ["mount", "-t", "tmpfs", "-o", f"size={self.size_bytes}", "tmpfs", str(self.path)]
         )
         self.mounted = True
+
+    def mount_or_skip(self) -> Tmpfs:
+        """`mount()`, or skip the calling test where no tmpfs can be mounted."""
+        try:
+            self.mount()
+        except MountRefused as refused:
+            pytest.skip(f"no tmpfs here: {refused}")
+        return self
 
     def resize(self, size_bytes: int) -> None:
         _run_mount(["mount", "-o", f"remount,size={size_bytes}", str(self.path)])

@@ -689,11 +689,7 @@ def test_a_node_whose_disk_filled_up_restarts_and_catches_up_once_space_is_freed
     node3 starts on the full disk and stays up, not ready while its replay waits for
     space, and catches up once the disk is grown."""
     cluster = LocalCluster(tmp_path / "cluster", groups=(2,))
-    disk = faults.Tmpfs(cluster.persistence_dir("node3"), 2 * faults.MIB)
-    try:
-        disk.mount()
-    except faults.MountRefused as refused:
-        pytest.skip(f"no tmpfs here: {refused}")
+    disk = faults.Tmpfs(cluster.persistence_dir("node3"), 2 * faults.MIB).mount_or_skip()
     try:
         cluster.start()
         cluster.create_table("full", SCHEMA, group=2)
