@@ -430,9 +430,17 @@ class LocalCluster:
         def agreed() -> str | None:
             leaders = set()
             for alias in self.alive():
-                reply = self.stub(alias).GetStreamingLeader(
-                    pb.GroupRequest(raft_group=group), timeout=2
-                )
+                try:
+                    reply = self.stub(alias).GetStreamingLeader(
+                        pb.GroupRequest(raft_group=group), timeout=2
+                    )
+                except grpc.RpcError:
+                    # The next poll dials on a fresh channel: a connect to a node restarted
+                    # a moment ago was seen to time out again and again on one channel for
+                    # 30 s while the node served. The old channel is not closed: a stub
+                    # another thread holds keeps working until it lets go.
+                    self._channels.pop(alias, None)
+                    raise
                 leaders.add(reply.leader)
             if len(leaders) != 1 or "" in leaders:
                 return None

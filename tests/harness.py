@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +51,8 @@ class AckedPublisher:
         self.group = group
         self.acked: list[int] = []
         self.errors_retried = 0
+        # The latest failed attempts (node, status, seconds taken): a give-up shows them.
+        self.recent_errors: deque[tuple[str, str, float]] = deque(maxlen=12)
         self._leader: str | None = None
 
     def batch(self, first_key: int, rows: int) -> pa.Table:
@@ -68,11 +72,15 @@ class AckedPublisher:
     def publish(self, first_key: int, rows: int, *, deadline_s: float = 60) -> None:
         payload = ipc_stream(self.batch(first_key, rows))
         request = pb.PublishRequest(table=self.table, payload=payload)
-        wait_until(
-            lambda: self._attempt(request),
-            timeout_s=deadline_s,
-            message=f"batch {first_key} acknowledged",
-        )
+        try:
+            wait_until(
+                lambda: self._attempt(request),
+                timeout_s=deadline_s,
+                message=f"batch {first_key} acknowledged",
+            )
+        except AssertionError as error:
+            attempts = list(self.recent_errors)
+            raise AssertionError(f"{error}; latest failed attempts: {attempts}") from error
         self.acked.extend(range(first_key, first_key + rows))
 
     def _attempt(self, request: pb.PublishRequest) -> bool:
@@ -81,11 +89,14 @@ class AckedPublisher:
         if not alive:
             raise AssertionError(f"{self.table}: no node is alive")
         alias = self._leader if self._leader in alive else alive[0]
+        started = time.monotonic()
         try:
             self.cluster.stub(alias).Publish(request, timeout=15)
             return True
         except grpc.RpcError as error:
             self.errors_retried += 1
+            taken = round(time.monotonic() - started, 2)
+            self.recent_errors.append((alias, f"{error.code().name}: {error.details()}", taken))
             metadata = dict(error.trailing_metadata() or ())
             leader = json.loads(metadata.get("hastream-error-fields", "{}")).get("leader")
             if leader and self.cluster.alias_of(leader) in alive:
@@ -232,16 +243,52 @@ def cluster_with_logins(root: Path, admin_password: str) -> Iterator[LocalCluste
         cluster.stop()
 
 
+class PublisherFailed(Exception):
+    """The publisher under a fault schedule gave up: the schedule ends with its error."""
+
+
+def cluster_report(cluster: LocalCluster, group: int = 2) -> str:
+    """Each node's view of `group` and its log's tail: what a timed-out wait shows."""
+    lines = []
+    for alias in cluster.nodes:
+        if alias not in cluster.alive():
+            lines.append(f"--- {alias}: not running")
+            continue
+        try:
+            status = cluster.group_status(alias, group)
+            view = {key: status.get(key) for key in ("role", "leader", "term", "health")}
+        except grpc.RpcError as error:
+            view = {"status": f"unavailable ({error.code().name})"}
+        lines.append(f"--- {alias}: {view}\n{cluster.log_tail(alias, lines=15)}")
+    return "\n".join(lines)
+
+
 def kill_then_freeze_the_leader(
-    cluster: LocalCluster, acked: list[int], step: int, group: int = 2
+    cluster: LocalCluster,
+    acked: list[int],
+    step: int,
+    group: int = 2,
+    failures: list[BaseException] | None = None,
 ) -> None:
     """A fault schedule for publishers that note each acknowledged key in `acked`, each
     fault once `step` more were acknowledged: kill -9 the leader; restart it (a majority
-    must be left when the next one freezes); SIGSTOP the new leader; SIGCONT it."""
+    must be left when the next one freezes); SIGSTOP the new leader; SIGCONT it. A failure
+    the publisher noted in `failures` ends the schedule at once; a timed-out wait reports
+    every node's view and log."""
+    noted = failures if failures is not None else []
 
     def more_acked(message: str) -> None:
         mark = len(acked)
-        wait_until(lambda: len(acked) >= mark + step, timeout_s=60, message=message)
+
+        def grown() -> bool:
+            if noted:
+                raise PublisherFailed(f"the publisher failed: {noted[0]!r}")
+            return len(acked) >= mark + step
+
+        try:
+            wait_until(grown, timeout_s=60, message=message, fatal=(PublisherFailed,))
+        except (AssertionError, PublisherFailed) as error:
+            raise AssertionError(f"{error}\n{cluster_report(cluster, group)}") from error
 
     more_acked("appends flowing")
     killed = cluster.leader(group)
@@ -272,7 +319,7 @@ def publish_through_faults(
     thread = threading.Thread(target=publish, args=(stop, acked, failures), daemon=True)
     thread.start()
     try:
-        kill_then_freeze_the_leader(cluster, acked, step=step)
+        kill_then_freeze_the_leader(cluster, acked, step=step, failures=failures)
     finally:
         stop.set()
         thread.join(timeout=180)
