@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -115,6 +116,8 @@ class Repairer:
         self._side_root = side_root
         self._fetch = fetch
         self._peers = tuple(peers)
+        # When each peer last failed a fetch (any job's): asked after the others.
+        self._failed_at: dict[NodeAddress, float] = {}
         self._spawn = spawn
         self._deadline_s = deadline_s
         self._lock = threading.Lock()
@@ -300,24 +303,40 @@ class Repairer:
         """Try each peer once. Returns the lowest offset the peers still retain when every
         peer answered that the rows asked for are gone (OffsetOutOfRange), else None."""
         retained: list[int] = []
-        for peer in self._peers:
+        for peer in self._peers_in_order():
             if side.row_count >= gap.offset_to:
                 return None
             try:
                 self._fetch_from(peer, gap, side, cancel)
+                self._answered(peer)
             except IncarnationDropped:
                 raise  # one peer that applied the drop is enough: drops apply once committed
             except OffsetOutOfRange as error:
                 log.warning("repair from %s: %s", peer, error)
+                self._answered(peer)
                 if error.earliest > side.row_count:
                     retained.append(error.earliest)
             except RaftStoreError as error:
                 log.warning("repair from %s failed table=%s error=%s", peer, gap.table, error)
+                with self._lock:
+                    self._failed_at[peer] = time.monotonic()
             with self._lock:
                 self._progress = replace(self._progress, attempts=self._progress.attempts + 1)
         if retained and len(retained) == len(self._peers):
             return min(retained)
         return None
+
+    def _peers_in_order(self) -> list[NodeAddress]:
+        """The peers that have not failed first (in the configured order), then those that
+        did, the longest ago first: a peer that stopped answering costs each table's fetch
+        its silence (limits.PEER_FETCH_IDLE_S) only until it has failed once."""
+        with self._lock:
+            failed_at = dict(self._failed_at)
+        return sorted(self._peers, key=lambda peer: failed_at.get(peer, -math.inf))
+
+    def _answered(self, peer: NodeAddress) -> None:
+        with self._lock:
+            self._failed_at.pop(peer, None)
 
     def _fetch_from(
         self, peer: NodeAddress, gap: TableGap, side: TableLog, cancel: threading.Event

@@ -14,6 +14,7 @@ from hastream.wire import BATCH_ROWS_MAX as BATCH_ROWS_MAX
 from hastream.wire import COLUMNS_MAX as COLUMNS_MAX
 from hastream.wire import GRPC_MESSAGE_BYTES_MAX as GRPC_MESSAGE_BYTES_MAX
 from hastream.wire import MIB as MIB
+from hastream.wire import NODE_CALLS_MAX as NODE_CALLS_MAX
 from hastream.wire import PIPELINE_BATCH_REQUESTS_MAX as PIPELINE_BATCH_REQUESTS_MAX
 from hastream.wire import PIPELINE_IN_FLIGHT_BYTES_MAX as PIPELINE_IN_FLIGHT_BYTES_MAX
 from hastream.wire import PIPELINE_IN_FLIGHT_MAX as PIPELINE_IN_FLIGHT_MAX
@@ -131,6 +132,13 @@ TABLES_PER_NODE_MAX: Final = 4096
 # yet; past this many bytes it stops taking new ones (the leader resends them later).
 REPAIR_DEADLINE_S: Final = 600.0
 DOUBT_LOG_BYTES_MAX: Final = 512 * MIB
+# A repair's fetch from one peer that has waited this long for the peer's next message (or
+# its first, connecting included) is given up, and the next peer is asked. A replica acks
+# nothing while it repairs, so a peer that stopped answering (SIGSTOP, a hung host) held the
+# group's commits: a freshly dialled one for gRPC's 20 s connect timeout, one already
+# connected for the fetch's whole deadline (600 s). A peer reads and sends a 1 MiB batch in
+# milliseconds; 10 s leaves a loaded one room.
+PEER_FETCH_IDLE_S: Final = 10.0
 # FetchRecordBatches (repair and catch-up from a peer) packs consecutive data-file records
 # into one gRPC message while their encoded bytes stay within this (a larger record goes
 # alone): a gRPC message costs CPU on both sides whatever it holds, so FetchRecords' one
@@ -174,10 +182,14 @@ RAFT_JOURNAL_EXTEND_BYTES: Final = MIB
 # held between two checkpoints at most (RAFT_LOG_BYTES_MAX), as PostgreSQL keeps its WAL
 # segments up to max_wal_size.
 RAFT_JOURNAL_SPARES_MAX: Final = RAFT_LOG_BYTES_MAX // RAFT_JOURNAL_SEGMENT_BYTES
-# ... and only while the journal's file system has this much free besides the spare: on a
-# disk that is filling up, the space goes back to the data files (and to the journal's own
-# new segments) instead.
-RAFT_JOURNAL_SPARES_FREE_BYTES_MIN: Final = 1024 * MIB
+# ... and only while the journal's file system has room for this many segments free besides
+# the spare: on a disk that is filling up, the space goes back to the data files (and to the
+# journal's own new segments) instead. A journal holding spares looks at the room left once
+# a second and gives them all up below it, and at once when a write finds the disk full.
+RAFT_JOURNAL_SPARES_FREE_SEGMENTS: Final = 16
+RAFT_JOURNAL_SPARES_FREE_BYTES_MIN: Final = (
+    RAFT_JOURNAL_SPARES_FREE_SEGMENTS * RAFT_JOURNAL_SEGMENT_BYTES
+)
 
 assert ENTRY_BYTES_MAX >= BATCH_BYTES_MAX + MIB, "one batch plus framing must fit an entry"
 assert BATCH_BYTES_MAX < 2**32, "a seal (checked_payload.py) holds payload offsets as u32"
@@ -227,6 +239,9 @@ STREAMS_PER_CONNECTION_MAX: Final = 100
 PUBLISH_PORT_CONNECTIONS_MAX: Final = 64
 UNARY_WORKERS: Final = 60
 assert STREAMS_PER_CONNECTION_MAX <= STREAMS_MAX
+# gRPC refuses calls past NODE_CALLS_MAX (Overloaded at the client): all the stream slots
+# and the unary workers but four, so a refusal comes before every worker is taken.
+assert NODE_CALLS_MAX == STREAMS_MAX + UNARY_WORKERS - 4
 
 # Access control (access.py, auth.py): users and their rules live in the catalog group's
 # state and checkpoint, so both are bounded; a login costs one scrypt (~50 ms of a core),

@@ -40,11 +40,14 @@ class PeerClient:
         credentials: grpc.ChannelCredentials | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        fetch_idle_s: float = limits.PEER_FETCH_IDLE_S,
     ) -> None:
-        """`credentials`: TLS to the peers' client ports (None: plaintext)."""
+        """`credentials`: TLS to the peers' client ports (None: plaintext). A fetch that
+        waits `fetch_idle_s` for the peer's next message is given up (NodeUnavailable)."""
         self._signer = signer
         self._credentials = credentials
         self._clock = clock
+        self._idle_s = fetch_idle_s
         self._lock = threading.Lock()
         self._stubs: dict[NodeAddress, hastream_pb2_grpc.StreamTableStub] = {}
         self._channels: list[grpc.Channel] = []
@@ -102,12 +105,11 @@ class PeerClient:
         """FetchRecordBatches. Raises _BatchesUnimplemented when the peer does not serve it
         (before any record came), else the peer's typed error or NodeUnavailable."""
         received = False
+        call = self._stub(peer).FetchRecordBatches(
+            request, metadata=self._signer.metadata("FetchRecordBatches"), timeout=_FETCH_TIMEOUT_S
+        )
         try:
-            for message in self._stub(peer).FetchRecordBatches(
-                request,
-                metadata=self._signer.metadata("FetchRecordBatches"),
-                timeout=_FETCH_TIMEOUT_S,
-            ):
+            for message in self._watched(peer, call):
                 received = True
                 for record in message.records:
                     yield _record(record)
@@ -120,13 +122,27 @@ class PeerClient:
         self, peer: NodeAddress, request: hastream_pb2.FetchRecordsRequest
     ) -> Iterator[DataRecord]:
         """FetchRecords, which every version serves: one record per message."""
+        call = self._stub(peer).FetchRecords(
+            request, metadata=self._signer.metadata("FetchRecords"), timeout=_FETCH_TIMEOUT_S
+        )
         try:
-            for message in self._stub(peer).FetchRecords(
-                request, metadata=self._signer.metadata("FetchRecords"), timeout=_FETCH_TIMEOUT_S
-            ):
+            for message in self._watched(peer, call):
                 yield _record(message)
         except grpc.RpcError as error:
             raise _typed(peer, error) from None
+
+    def _watched(self, peer: NodeAddress, call: Any) -> Iterator[Any]:
+        """The messages of a fetch `call` under a `_SilenceWatch`: NodeUnavailable once the
+        peer has sent nothing for the idle limit; any other failure the call's RpcError."""
+        try:
+            with _SilenceWatch(call, self._idle_s) as watch:
+                yield from watch.messages()
+        except grpc.RpcError:
+            if watch.gave_up:
+                raise NodeUnavailable(
+                    f"peer {peer} sent nothing for {self._idle_s:.0f} s: the next peer is asked"
+                ) from None
+            raise
 
     def _has_batches(self, peer: NodeAddress) -> bool:
         """False while `peer` is remembered to lack FetchRecordBatches."""
@@ -256,6 +272,51 @@ class PeerClient:
                 channel.close()
             self._channels.clear()
             self._stubs.clear()
+
+
+class _SilenceWatch:
+    """Cancels a server-streaming `call` once it has waited `idle_s` for the next message
+    (the first one included: it covers connecting). Only the wait counts: the time the
+    consumer spends on a message (writing and syncing fetched records) does not. One
+    request-scoped thread per call, ended with it."""
+
+    def __init__(self, call: Any, idle_s: float) -> None:
+        self._call = call
+        self._idle_s = idle_s
+        self._waiting_since: float | None = None
+        self._done = threading.Event()
+        self.gave_up = False
+
+    def __enter__(self) -> _SilenceWatch:
+        threading.Thread(target=self._watch, name="peer-fetch-watch", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._done.set()
+        self._call.cancel()  # a consumer that stopped early leaves nothing running
+
+    def messages(self) -> Iterator[Any]:
+        """The call's messages, each waited for under the watch."""
+        while True:
+            self._waiting_since = time.monotonic()
+            try:
+                message = next(self._call)
+            except StopIteration:
+                return
+            finally:
+                self._waiting_since = None
+            yield message
+
+    def _watch(self) -> None:
+        while True:
+            since = self._waiting_since
+            left = self._idle_s if since is None else since + self._idle_s - time.monotonic()
+            if left <= 0:
+                self.gave_up = True
+                self._call.cancel()  # the waiting next() raises CANCELLED
+                return
+            if self._done.wait(left):
+                return
 
 
 class _BatchesUnimplemented(Exception):

@@ -5,6 +5,8 @@ which answers the new method UNIMPLEMENTED."""
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -14,6 +16,7 @@ import pyarrow as pa
 import pytest
 
 from deploy.local_cluster import LocalCluster, ipc_stream, wait_until
+from hastream.errors import NodeUnavailable
 from hastream.model import NodeAddress
 from proto import hastream_pb2 as pb
 from raftstore import limits
@@ -209,3 +212,49 @@ def test_a_peer_of_an_earlier_version_is_asked_fetch_records_and_remembered(
         peers.close()
         server.stop(grace=None)
         channel.close()
+
+
+@pytest.mark.cluster
+def test_a_fetch_from_a_frozen_peer_is_given_up_once_it_sends_nothing(
+    cluster: LocalCluster,
+) -> None:
+    """A peer SIGSTOPped after this client connected to it: its fetch is cancelled once it
+    waited `fetch_idle_s` for a message (NodeUnavailable, so the repair asks the next
+    peer), not after the fetch's 600 s deadline; the consumer's own time between messages
+    does not count; once the peer runs again, the same client fetches from it."""
+    alias = sorted(cluster.nodes)[2]
+    rows = cluster.row_count(alias, "small")
+    peer = _peer(cluster, alias)
+    idle_s = 2.0
+    peers = PeerClient(_signer(), fetch_idle_s=idle_s)
+    try:
+        # A consumer slower than the idle limit between messages (the repair's writes and
+        # syncs): no message is late, so nothing is given up.
+        consumed = 0
+        for consumed, _ in enumerate(peers.fetch_records(peer, GROUP, "small", 0, rows, 0), 1):
+            if consumed == 1:
+                # The consumer holds the stream past the limit: what it waits for is that
+                # moment itself, then it reads on.
+                holds_until = time.monotonic() + idle_s * 1.5
+                wait_until(
+                    lambda until=holds_until: time.monotonic() >= until,
+                    timeout_s=idle_s * 3,
+                    message="the consumer's hold",
+                )
+        assert consumed == SMALL_RECORDS + 6
+        cluster.signal(alias, signal.SIGSTOP)  # the connection stays open
+        try:
+            started = time.monotonic()
+            with pytest.raises(NodeUnavailable, match=f"sent nothing for {idle_s:.0f} s"):
+                list(peers.fetch_records(peer, GROUP, "small", 0, rows, 0))
+            assert time.monotonic() - started < idle_s + 5
+        finally:
+            cluster.signal(alias, signal.SIGCONT)
+        fetched = wait_until(
+            lambda: list(peers.fetch_records(peer, GROUP, "small", 0, rows, 0)),
+            timeout_s=30,
+            message="fetched again",
+        )
+        assert len(fetched) == SMALL_RECORDS + 6
+    finally:
+        peers.close()
