@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -244,6 +245,17 @@ def wait_converged(deployment: Deployment, table: str, rows_min: int) -> int:
     return int(wait_for(converged, CONVERGE_TIMEOUT_S, f"replicas of {table} to converge"))
 
 
+def ephemeral_ports(engine: Any, deployment: Deployment, alias: str) -> range:
+    """The ports the kernel in `alias`'s container hands out by itself (to an outgoing
+    connection, or a bind to port 0)."""
+    item = engine.containers.get(deployment.node(alias).container)
+    path = "/proc/sys/net/ipv4/ip_local_port_range"
+    result = item.exec_run(["python", "-c", f"print(open({path!r}).read())"])  # no cat in it
+    assert result.exit_code == 0, result.output
+    first, last = (int(part) for part in result.output.split())
+    return range(first, last + 1)
+
+
 def assert_every_ack_once_on_every_replica(
     deployment: Deployment, table: str, acked: list[int]
 ) -> None:
@@ -466,6 +478,20 @@ def test_publish_ports_given_are_checked(
 
 
 @pytest.mark.unit
+def test_picked_ports_are_free_distinct_and_above_the_ephemeral_range() -> None:
+    taken, excluded = plans.free_ports(2)
+    with socket.socket() as held:  # a port in use on the host is never picked
+        held.bind(("127.0.0.1", taken))
+        for _ in range(20):
+            ports = plans.free_ports(6, exclude={excluded})
+            assert len(set(ports)) == 6
+            assert all(port in plans.PORTS_PICKED for port in ports)
+            assert not {taken, excluded} & set(ports)
+    # A new network namespace (a container's) hands out ports up to 60999 by itself.
+    assert plans.PORTS_PICKED.start > 60999
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("text", ["8911,x,8913", "8911,,8913", "0,8912,8913", "8911,8912,70000"])
 def test_port_options_that_are_not_port_numbers_are_refused(text: str) -> None:
     with pytest.raises(plans.DeployError, match="--publish-ports"):
@@ -557,6 +583,11 @@ def test_killed_leader_container_fails_over_and_restart_catches_up(
         f"restarted {old_leader} to serve {table}",
     )
     assert_every_ack_once_on_every_replica(deployment, table, acked)
+    # Created and restarted, a container's own ports lie outside the range its kernel
+    # hands out by itself: nothing takes one before the node binds it.
+    for alias in deployment.aliases:
+        automatic = ephemeral_ports(docker_engine, deployment, alias)
+        assert not set(deployment.node(alias).listen_ports) & set(automatic), automatic
 
 
 @pytest.mark.docker

@@ -31,6 +31,13 @@ CONFIG_IN_CONTAINER: Final = "/etc/hastream/cluster.cfg"
 ADMIN_PASSWORD_IN_CONTAINER: Final = "/etc/hastream/admin.password"
 TLS_IN_CONTAINER: Final = "/etc/hastream/tls"
 DATA_ROOT_IN_CONTAINER: Final = "/var/lib/hastream"
+# Client and publish ports are picked here: above the ephemeral range a new network
+# namespace starts with (32768-60999), so inside a container nothing ever gets one by
+# chance. Picked inside that range (bind to port 0), a node once found its own port taken
+# in its fresh container ("bind: Address already in use") and exited before it was ready:
+# by an outgoing connection, or by Docker's embedded DNS listener, which binds a random
+# port in the container before any sysctl (ip_local_reserved_ports) could keep it free.
+PORTS_PICKED: Final = range(61000, 65536)
 RAFT_PORT_FIRST: Final = 9201  # Raft port of the first group, inside every container
 HOST_INDEX_FIRST: Final = 11  # node1 is .11 on the deployment's subnet
 SUBNET_POOL: Final = ipaddress.IPv4Network("10.213.0.0/16")  # /24s handed to deployments
@@ -65,6 +72,12 @@ class NodeSpec:
     # a client dials it on the host of the site it uses. None: not served (a deployment
     # planned before the tool served one keeps its plan).
     publish_port: int | None = None
+
+    @property
+    def listen_ports(self) -> tuple[int, ...]:
+        """Every port the node binds in its container: client, publish and Raft ports."""
+        published = (self.port,) if self.publish_port is None else (self.port, self.publish_port)
+        return (*published, *(port for _, port in self.raft_ports))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,18 +137,23 @@ def sites(deployment: Deployment) -> list[str]:
 
 
 def free_ports(count: int, host: str = "127.0.0.1", exclude: Iterable[int] = ()) -> list[int]:
-    """`count` distinct ports that are free on `host` now (bound together, then released)."""
+    """`count` distinct ports in PORTS_PICKED that are free on `host` now (bound together,
+    then released)."""
     excluded = set(exclude)
     sockets: list[socket.socket] = []
     ports: list[int] = []
     try:
-        for _ in range(count * 4):  # bounded: a port in `excluded` is skipped, not retried
+        for _ in range(count * 16):  # bounded: a port taken or excluded is skipped
+            port = PORTS_PICKED.start + secrets.randbelow(len(PORTS_PICKED))
+            if port in excluded or port in ports:
+                continue
             sock = socket.socket()
-            sock.bind((host if host != "0.0.0.0" else "", 0))
             sockets.append(sock)
-            port = sock.getsockname()[1]
-            if port not in excluded:
-                ports.append(port)
+            try:
+                sock.bind((host if host != "0.0.0.0" else "", port))
+            except OSError:
+                continue  # in use on the host
+            ports.append(port)
             if len(ports) == count:
                 return ports
     finally:
