@@ -28,6 +28,7 @@ from api_clients import (
     WriterStopped,
 )
 from api_clients.buffer import DurableBuffer
+from hastream.errors import RaftStoreError
 from proto import hastream_pb2 as pb
 from tests.harness import LocalCluster, assert_replicas_hold_exactly, wait_until
 
@@ -167,6 +168,50 @@ def test_a_range_past_a_followers_rows_is_read_at_the_leader(cluster: LocalClust
                 publisher.append(frame(first, 5))
                 rows = reader.read("past", first, first + 5).column("id").to_pylist()
                 assert rows == list(range(first, first + 5))
+
+
+def connections_of_this_process(port: int) -> int:
+    """This process's established TCP connections to `port` on loopback (/proc; gRPC dials
+    127.0.0.1 from a dual-stack socket, listed in tcp6)."""
+    ours = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            link = fd.readlink().as_posix()
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:["):
+            ours.add(link[len("socket:[") : -1])
+    count = 0
+    tables = (Path("/proc/self/net/tcp"), Path("/proc/self/net/tcp6"))
+    for line in (line for table in tables for line in table.read_text().splitlines()[1:]):
+        fields = line.split()
+        remote_port = int(fields[2].split(":")[1], 16)
+        if remote_port == port and fields[3] == "01" and fields[9] in ours:
+            count += 1
+    return count
+
+
+@pytest.mark.cluster
+def test_a_session_dials_its_own_connections_and_redials_a_site_it_could_not_reach(
+    cluster: LocalCluster,
+) -> None:
+    alias = "node2"
+    node = cluster.nodes[alias]
+    site = f"127.0.0.1:{node.port}"
+    with Session([site], deadline_s=3) as session, Session([site], deadline_s=3) as other:
+        session.getStreamingRaftGroups()
+        other.getStreamingRaftGroups()
+        # Two sessions, two connections: gRPC would otherwise share one, and with it one
+        # reconnect state, between every channel of the process with the same options.
+        assert connections_of_this_process(node.port) == 2
+        dialled = session.stub(site)
+        cluster.kill(alias)
+        with pytest.raises(RaftStoreError):
+            session.getStreamingRaftGroups()
+        # It could not connect: the next attempt dials on a new channel.
+        assert session.stub(site) is not dialled
+        cluster.start_node(alias)
+        assert session.getStreamingRaftGroups()
 
 
 def test_bad_rows_are_refused_before_any_network_call(
