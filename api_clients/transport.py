@@ -62,12 +62,6 @@ class SiteUnavailable(TransportError):
         return {"site": self.site, "code": self.code, "details": self.details}
 
 
-def never_connected(error: SiteUnavailable) -> bool:
-    """True when gRPC could not connect to the site at all (refused, timed out, a handshake
-    that failed), rather than losing a call on a connection it had."""
-    return error.code == "UNAVAILABLE" and "failed to connect" in error.details.lower()
-
-
 def with_tls_hint(error: SiteUnavailable, tls: bool) -> SiteUnavailable:
     """`error` with what a failed connection most likely means for TLS, when its details
     show the handshake failed (gRPC only says "Socket closed" when a node refuses a
