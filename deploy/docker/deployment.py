@@ -34,9 +34,10 @@ DATA_ROOT_IN_CONTAINER: Final = "/var/lib/hastream"
 # Client and publish ports are picked here: above the ephemeral range a new network
 # namespace starts with (32768-60999), so inside a container nothing ever gets one by
 # chance. Picked inside that range (bind to port 0), a node once found its own port taken
-# in its fresh container ("bind: Address already in use") and exited before it was ready:
-# by an outgoing connection, or by Docker's embedded DNS listener, which binds a random
-# port in the container before any sysctl (ip_local_reserved_ports) could keep it free.
+# in its fresh container ("bind: Address already in use") and exited before it was ready.
+# What took it was not seen; both candidates pick from that range: an outgoing connection,
+# and Docker's embedded DNS listener, which binds a random port in the container before a
+# sysctl (ip_local_reserved_ports) could keep one free.
 PORTS_PICKED: Final = range(61000, 65536)
 RAFT_PORT_FIRST: Final = 9201  # Raft port of the first group, inside every container
 HOST_INDEX_FIRST: Final = 11  # node1 is .11 on the deployment's subnet
