@@ -101,9 +101,9 @@ CHANNEL_OPTIONS: Final[tuple[tuple[str, int], ...]] = (
     ("grpc.http2.max_pings_without_data", 0),
     # A session's channels keep their connections to themselves. gRPC otherwise shares one
     # subchannel (connection and reconnect state) among all channels of a process with the
-    # same target and options, so a new session inherits an older one's state. Once in a
-    # suite run a new session could not connect to a node restarted a moment ago for 30 s
-    # while the node served; a shared, stuck connection state fits, unproven.
+    # same target and options, so a new session inherits an older one's state. A channel
+    # made before a node was killed was seen failing to connect to it once restarted, for
+    # seconds, while a new session's own channel connected at once (docs/client.md).
     ("grpc.use_local_subchannel_pool", 1),
 )
 
