@@ -391,6 +391,9 @@ class LocalCluster:
             options = [
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20),
+                # Its own connection: a channel made anew after a failed poll (`leader`) must
+                # not share the old one's connection state, as gRPC's shared pool would.
+                ("grpc.use_local_subchannel_pool", 1),
             ]
             if self.client_tls is None:
                 channel = grpc.insecure_channel(self.nodes[alias].site, options=options)
