@@ -38,6 +38,7 @@ from api_clients.call_policy import (
     hedgeable,
     leader_named,
 )
+from api_clients.dials import Dial, Dials
 from api_clients.hedge import HEDGE_DELAY_S_DEFAULT, AttemptMonitor, LeaderWatch
 from api_clients.login import Login, TokenInterceptor
 from api_clients.publish_port import PortRefused, PublishPorts, client_context
@@ -177,8 +178,7 @@ class Session:
             self._channel_options += (("grpc.ssl_target_name_override", tls.server_name),)
         self._lock = threading.Lock()
         self._sites: list[str] = parsed
-        self._channels: dict[str, grpc.Channel] = {}
-        self._stubs: dict[str, hastream_pb2_grpc.StreamTableStub] = {}
+        self._dials = Dials(self._new_dial)
         self._table_leaders: dict[str, str] = {}
         self._group_leaders: dict[int, str] = {}
         self._table_groups: dict[str, int] = {}
@@ -209,11 +209,7 @@ class Session:
         self._ports.close()
         with self._lock:
             self._closed = True
-            channels = list(self._channels.values())
-            self._channels.clear()
-            self._stubs.clear()
-        for channel in channels:
-            channel.close()
+        self._dials.close()
 
     def __enter__(self) -> Session:
         return self
@@ -341,24 +337,20 @@ class Session:
                 del self._group_leaders[group]
 
     def stub(self, site: str) -> hastream_pb2_grpc.StreamTableStub:
-        """The cached stub of `site`; its channel is created on first use."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("session is closed")
-            stub = self._stubs.get(site)
-            if stub is None:
-                channel = (
-                    grpc.insecure_channel(site, options=self._channel_options)
-                    if self._credentials is None
-                    else grpc.secure_channel(site, self._credentials, self._channel_options)
-                )
-                calls = channel
-                if self._login is not None:
-                    calls = grpc.intercept_channel(channel, TokenInterceptor(self._login, channel))
-                stub = hastream_pb2_grpc.StreamTableStub(calls)
-                self._channels[site] = channel
-                self._stubs[site] = stub
-            return stub
+        """The stub of `site`'s current channel (api_clients/dials.py), dialled on first
+        use. Raises SessionClosed (a RuntimeError) after `close()`."""
+        return self._dials.current(site).stub
+
+    def _new_dial(self, site: str) -> Dial:
+        channel = (
+            grpc.insecure_channel(site, options=self._channel_options)
+            if self._credentials is None
+            else grpc.secure_channel(site, self._credentials, self._channel_options)
+        )
+        calls = channel
+        if self._login is not None:
+            calls = grpc.intercept_channel(channel, TokenInterceptor(self._login, channel))
+        return Dial(site, channel, hastream_pb2_grpc.StreamTableStub(calls))
 
     # -- calls -----------------------------------------------------------------------
 
@@ -508,29 +500,30 @@ class Session:
     def _unary(self, method_name: str, request: Any, target: str, timeout_s: float) -> Any:
         """One unary call on `target`: a Publish over the site's publish port when it has one
         (api_clients/publish_port.py), else, and for every other method, over gRPC."""
-        if method_name != "Publish":
-            return transport.unary(self.stub(target), method_name, request, target, timeout_s)
-        if self._ports.usable(target, len(request.payload)):
+        if method_name == "Publish" and self._ports.usable(target, len(request.payload)):
             token = "" if self._login is None else self._login.token()
             if token is not None:  # None: a login is due, which gRPC's interceptor makes
                 try:
                     return self._ports.publish(target, request, token, timeout_s)
                 except PortRefused:
                     pass  # nothing was sent: gRPC it is
-        response = transport.unary(self.stub(target), method_name, request, target, timeout_s)
-        self._ports.learn(target, response.publish_port)
+        with self._dials.call(target) as dial:
+            try:
+                response = transport.unary(dial.stub, method_name, request, target, timeout_s)
+            except transport.SiteUnavailable as error:
+                if transport.never_connected(error):
+                    self._dials.retire(dial)
+                raise
+        if method_name == "Publish":
+            self._ports.learn(target, response.publish_port)
         return response
 
     def _drop_channel(self, site: str) -> None:
         """Closes `site`'s channel (every call in flight on it fails CANCELLED) and forgets
         it: the next use opens a fresh one. The monitor's thread, leaving a silent site."""
-        with self._lock:
-            channel = self._channels.pop(site, None)
-            self._stubs.pop(site, None)
         self._ports.drop(site)
-        if channel is not None:
+        if self._dials.drop(site):
             log.info("closing the channel of a silent site site=%s", site)
-            channel.close()
 
     def open_stream(
         self, site: str, method_name: str, request: Any, *, timeout_s: float | None = None
@@ -544,7 +537,14 @@ class Session:
             stream = self._port_stream(site, request)
             if stream is not None:
                 return stream
-        return transport.open_stream(self.stub(site), method_name, request, site, timeout_s)
+        dial, release = self._dials.hold(site)
+        try:
+            stream = transport.open_stream(dial.stub, method_name, request, site, timeout_s)
+        except BaseException:
+            release()
+            raise
+        stream.when_ended(release)
+        return stream
 
     def _port_stream(self, site: str, requests: Any) -> transport.Stream | None:
         """A PublishStream over `site`'s publish port; None when it has none (or it cannot
@@ -756,9 +756,7 @@ class Session:
         doubt and knows every group's leader; "NOT_SERVING" before; "UNREACHABLE" when it
         does not answer within HEALTH_TIMEOUT_S."""
         target = parse_site(site)
-        self.stub(target)  # creates the channel (and refuses a closed session)
-        with self._lock:
-            channel = self._channels[target]
+        channel = self._dials.current(target).channel  # refuses a closed session
         request = health_pb2.HealthCheckRequest(service=service)
         try:
             timeout_s = min(self._timeout_s, HEALTH_TIMEOUT_S)

@@ -62,6 +62,12 @@ class SiteUnavailable(TransportError):
         return {"site": self.site, "code": self.code, "details": self.details}
 
 
+def never_connected(error: SiteUnavailable) -> bool:
+    """True when gRPC could not connect to the site at all (refused, timed out, a handshake
+    that failed), rather than losing a call on a connection it had."""
+    return error.code == "UNAVAILABLE" and "failed to connect" in error.details.lower()
+
+
 def with_tls_hint(error: SiteUnavailable, tls: bool) -> SiteUnavailable:
     """`error` with what a failed connection most likely means for TLS, when its details
     show the handshake failed (gRPC only says "Socket closed" when a node refuses a
@@ -228,6 +234,11 @@ class Stream:
 
     def cancel(self) -> None:
         self._call.cancel()
+
+    def when_ended(self, callback: Callable[[], None]) -> None:
+        """Runs `callback()` once the call has ended (at once if it has), on gRPC's thread."""
+        if not self._call.add_callback(callback):
+            callback()
 
 
 def open_stream(

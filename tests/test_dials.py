@@ -1,0 +1,118 @@
+"""A session's channels (api_clients/dials.py) over real gRPC channels: a retired channel
+stays open for the calls on it and closes after the last, a dropped one closes at once, and
+retired channels are bounded. The channels dial a loopback port nothing listens on: no call
+here reaches a server, the channels' open or closed state is what is checked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from api_clients import dials as dials_module
+from api_clients.dials import Dial, Dials, SessionClosed
+from deploy.local_cluster import free_ports
+from proto import hastream_pb2, hastream_pb2_grpc
+
+
+@pytest.fixture
+def site() -> str:
+    return f"127.0.0.1:{free_ports(1)[0]}"
+
+
+@pytest.fixture
+def dials() -> Iterator[Dials]:
+    def dial(site: str) -> Dial:
+        channel = grpc.insecure_channel(site)
+        return Dial(site, channel, hastream_pb2_grpc.StreamTableStub(channel))
+
+    made = Dials(dial)
+    yield made
+    made.close()
+
+
+def is_closed(dial: Dial) -> bool:
+    """A closed gRPC channel refuses new calls at once, before any network."""
+    try:
+        dial.stub.GetStreamingRaftGroups(hastream_pb2.Empty(), timeout=0.001)
+    except ValueError:  # "Cannot invoke RPC on closed channel!"
+        return True
+    except grpc.RpcError:
+        return False
+    return False
+
+
+def test_a_retired_channel_stays_open_until_its_last_call_ends(dials: Dials, site: str) -> None:
+    first, release_first = dials.hold(site)
+    second, release_second = dials.hold(site)
+    assert first is second
+    dials.retire(first)
+    fresh = dials.current(site)
+    assert fresh is not first  # new calls dial anew
+    assert dials.counts() == (1, 1)
+    release_first()
+    release_first()  # a second release is a no-op, not a second decrement
+    assert not is_closed(first)  # one call still runs on it
+    release_second()
+    assert is_closed(first)
+    assert not is_closed(fresh)
+    assert dials.counts() == (1, 0)
+
+
+def test_a_retired_channel_without_calls_closes_at_once(dials: Dials, site: str) -> None:
+    with dials.call(site) as dial:
+        pass
+    dials.retire(dial)
+    assert is_closed(dial)
+    assert dials.counts() == (0, 0)
+
+
+def test_retiring_twice_or_retiring_a_replaced_channel_changes_nothing(
+    dials: Dials, site: str
+) -> None:
+    old, release = dials.hold(site)
+    dials.retire(old)
+    fresh = dials.current(site)
+    dials.retire(old)  # another thread's attempt on the old channel failed too
+    assert dials.current(site) is fresh
+    release()
+    assert is_closed(old) and not is_closed(fresh)
+
+
+def test_retired_channels_are_bounded(dials: Dials, site: str) -> None:
+    held = []
+    for _ in range(dials_module.RETIRED_MAX + 2):
+        dial, release = dials.hold(site)
+        held.append((dial, release))
+        dials.retire(dial)
+    assert dials.counts() == (0, dials_module.RETIRED_MAX)
+    # The two oldest were closed with calls still on them (they fail CANCELLED).
+    assert [is_closed(dial) for dial, _ in held[:3]] == [True, True, False]
+    for _, release in held:
+        release()
+    assert dials.counts() == (0, 0)
+    assert all(is_closed(dial) for dial, _ in held)
+
+
+def test_a_dropped_channel_closes_at_once_and_the_next_use_dials_anew(
+    dials: Dials, site: str
+) -> None:
+    dial, release = dials.hold(site)
+    assert dials.drop(site)
+    assert is_closed(dial)  # a silent site's calls are ended, not waited for
+    assert not dials.drop(site)
+    assert dials.current(site) is not dial
+    release()
+
+
+def test_a_closed_set_closes_every_channel_and_refuses_new_ones(dials: Dials, site: str) -> None:
+    retired, _release = dials.hold(site)
+    dials.retire(retired)
+    current = dials.current(site)
+    dials.close()
+    assert is_closed(retired) and is_closed(current)
+    with pytest.raises(SessionClosed):
+        dials.current(site)
+    with pytest.raises(SessionClosed):
+        dials.hold(site)
