@@ -28,6 +28,7 @@ Not thread-safe: one event loop owns a session.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Sequence
@@ -46,11 +47,12 @@ from api_clients.connection import (
     DEADLINE_S_DEFAULT,
     parse_site,
 )
+from api_clients.dials import Dial, Dials
 from api_clients.login import TOKEN_METADATA_KEY, Login
 from api_clients.pipeline import append_result
 from api_clients.publish_port import PortRefused, client_context
 from api_clients.retry import BACKOFF_INITIAL_S, BACKOFF_MAX_S, Backoff
-from api_clients.transport import StreamBroken, typed_error
+from api_clients.transport import SiteUnavailable, StreamBroken, never_connected, typed_error
 from api_clients.types import AppendResult, TableInfo
 from hastream.errors import InvalidArgument, RaftStoreError, SchemaMismatch, TableNotFound
 from hastream.model import OFFSET_LATEST
@@ -94,7 +96,8 @@ class AioSession:
             )
         self._timeout_s = timeout_s
         self._deadline_s = deadline_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._dials = Dials(self._new_dial, self._close_later)
+        self._closing: set[asyncio.Task[None]] = set()  # channels' closes under way
         self._leaders: dict[str, str] = {}  # table -> site that answered as its leader
         self._preferred = self._sites[0]
         self._publishers: dict[str, tuple[bytes, int]] = {}  # table -> producer id, sequence
@@ -112,10 +115,8 @@ class AioSession:
 
     async def close(self) -> None:
         await self._ports.close()
-        channels = list(self._channels.values())
-        self._channels.clear()
-        for channel in channels:
-            await channel.close()
+        self._dials.close()
+        await asyncio.gather(*self._closing)
 
     async def __aenter__(self) -> AioSession:
         return self
@@ -123,19 +124,32 @@ class AioSession:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _stub(self, site: str) -> hastream_pb2_grpc.StreamTableStub:
-        channel = self._channels.get(site)
-        if channel is None:
-            options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
-            if self._tls is not None and self._tls.server_name is not None:
-                options.append(("grpc.ssl_target_name_override", self._tls.server_name))
-            channel = (
-                grpc.aio.insecure_channel(site, options=options)
-                if self._credentials is None
-                else grpc.aio.secure_channel(site, self._credentials, options=options)
-            )
-            self._channels[site] = channel
-        return hastream_pb2_grpc.StreamTableStub(channel)
+    def _new_dial(self, site: str) -> Dial:
+        options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
+        if self._tls is not None and self._tls.server_name is not None:
+            options.append(("grpc.ssl_target_name_override", self._tls.server_name))
+        channel = (
+            grpc.aio.insecure_channel(site, options=options)
+            if self._credentials is None
+            else grpc.aio.secure_channel(site, self._credentials, options=options)
+        )
+        return Dial(site, channel, hastream_pb2_grpc.StreamTableStub(channel))
+
+    def _close_later(self, dial: Dial) -> None:
+        """Closes `dial`'s channel on this loop (an aio channel's close is awaited)."""
+        task = asyncio.get_running_loop().create_task(dial.channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _typed(
+        self, rpc_error: grpc.aio.AioRpcError, dial: Dial, timeout_s: float | None
+    ) -> RaftStoreError:
+        """The typed error of a failed call on `dial`; a site it could not connect to at all
+        gets a new channel for the calls after it (api_clients/dials.py)."""
+        error = typed_error(rpc_error, dial.site, timeout_s)
+        if isinstance(error, SiteUnavailable) and never_connected(error):
+            self._dials.retire(dial)
+        return error
 
     async def _metadata(self) -> tuple[tuple[str, str], ...]:
         if self._login is None:
@@ -192,17 +206,19 @@ class AioSession:
         while True:
             timeout_s = max(0.01, min(self._timeout_s, backoff.remaining_s()))
             metadata = () if method_name == "Login" else await self._metadata()
-            try:
-                if method_name == "Publish":
-                    reply = await self._publish_once(target, request, timeout_s, metadata)
-                else:
-                    method = getattr(self._stub(target), method_name)
-                    reply = await method(request, timeout=timeout_s, metadata=metadata)
-            except grpc.aio.AioRpcError as rpc_error:
-                error = typed_error(rpc_error, target, timeout_s)
-                memory, target = await self._retry_at(memory, target, error, backoff, table)
-                continue
-            except RaftStoreError as error:  # the publish port's, typed as gRPC's are
+            with self._dials.call(target) as dial:
+                try:
+                    if method_name == "Publish":
+                        reply = await self._publish_once(dial, request, timeout_s, metadata)
+                    else:
+                        method = getattr(dial.stub, method_name)
+                        reply = await method(request, timeout=timeout_s, metadata=metadata)
+                    error: RaftStoreError | None = None
+                except grpc.aio.AioRpcError as rpc_error:
+                    error = self._typed(rpc_error, dial, timeout_s)
+                except RaftStoreError as failed:  # the publish port's, typed as gRPC's are
+                    error = failed
+            if error is not None:
                 memory, target = await self._retry_at(memory, target, error, backoff, table)
                 continue
             self._preferred = target
@@ -212,18 +228,19 @@ class AioSession:
 
     async def _publish_once(
         self,
-        target: str,
+        dial: Dial,
         request: hastream_pb2.PublishRequest,
         timeout_s: float,
         metadata: tuple[tuple[str, str], ...],
     ) -> hastream_pb2.PublishResponse:
         """One Publish attempt on `target`: over its publish port when it has one
-        (aio_port.py), else over gRPC, whose answer names the port."""
+        (aio_port.py), else over gRPC (`dial`), whose answer names the port."""
+        target = dial.site
         if self._ports.usable(target, len(request.payload)):
             token = dict(metadata).get(TOKEN_METADATA_KEY, "")
             with contextlib.suppress(PortRefused):  # nothing was sent: gRPC it is
                 return await self._ports.publish(target, request, token, timeout_s)
-        reply: hastream_pb2.PublishResponse = await self._stub(target).Publish(
+        reply: hastream_pb2.PublishResponse = await dial.stub.Publish(
             request, timeout=timeout_s, metadata=metadata
         )
         self._ports.learn(target, reply.publish_port)
@@ -396,24 +413,24 @@ class AioSession:
                 offset_to=offsetTo,
                 end_at_leader=to_end,
             )
-            try:
-                stream = self._stub(target).Read(
-                    request, timeout=self._timeout_s, metadata=await self._metadata()
-                )
-                async for message in stream:
-                    parts.append(batches.decode(message.payload))
-                    position = message.first_offset + message.row_count
+            metadata = await self._metadata()
+            error: RaftStoreError | None = None
+            with self._dials.call(target) as dial:
+                try:
+                    stream = dial.stub.Read(request, timeout=self._timeout_s, metadata=metadata)
+                    async for message in stream:
+                        parts.append(batches.decode(message.payload))
+                        position = message.first_offset + message.row_count
+                except grpc.aio.AioRpcError as rpc_error:
+                    error = self._typed(rpc_error, dial, self._timeout_s)
+            if error is None:
                 if to_end:
                     self._leaders[tableName] = target
                     break
                 if position >= offsetTo:
                     break
                 # A follower behind the range's end: asked again after a wait, as any failure.
-                error: RaftStoreError = StreamBroken(
-                    target, f"the read ended at {position} before {offsetTo}"
-                )
-            except grpc.aio.AioRpcError as rpc_error:
-                error = typed_error(rpc_error, target, self._timeout_s)
+                error = StreamBroken(target, f"the read ended at {position} before {offsetTo}")
             table = tableName if to_end else None
             memory, target = await self._retry_at(memory, target, error, backoff, table)
         return pa.concat_tables(parts) if parts else info.schema.empty_table()
@@ -439,16 +456,21 @@ class AioSession:
             request = hastream_pb2.SubscribeRequest(
                 table=tableName, action_name=actionName, offset=position, batch_rows=batchRows
             )
-            try:
-                stream = self._stub(target).Subscribe(request, metadata=await self._metadata())
-                async for message in stream:
-                    if message.row_count == 0:
-                        continue  # a heartbeat
-                    rows = batches.decode(message.payload)
-                    position = message.first_offset + message.row_count
-                    yield message.first_offset, rows
-            except grpc.aio.AioRpcError as rpc_error:
-                error = typed_error(rpc_error, target, None)
+            metadata = await self._metadata()
+            error: RaftStoreError | None = None
+            # The stream counts on its channel while the caller holds its rows too.
+            with self._dials.call(target) as dial:
+                try:
+                    stream = dial.stub.Subscribe(request, metadata=metadata)
+                    async for message in stream:
+                        if message.row_count == 0:
+                            continue  # a heartbeat
+                        rows = batches.decode(message.payload)
+                        position = message.first_offset + message.row_count
+                        yield message.first_offset, rows
+                except grpc.aio.AioRpcError as rpc_error:
+                    error = self._typed(rpc_error, dial, None)
+            if error is not None:
                 memory, target = await self._retry_at(memory, target, error, backoff, tableName)
 
     async def commitOffset(self, tableName: str, offset: int, actionName: str = "default") -> None:

@@ -24,9 +24,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Final
-
-import grpc
+from typing import Any, Final
 
 from proto import hastream_pb2_grpc
 
@@ -37,10 +35,11 @@ RETIRED_MAX: Final = 16
 
 @dataclass(eq=False)
 class Dial:
-    """One channel to `site` and the stub over it (with the session's interceptors)."""
+    """One channel to `site` and the stub over it (with the session's interceptors). The
+    channel is a `grpc.Channel`, or a `grpc.aio.Channel` for the asyncio client."""
 
     site: str
-    channel: grpc.Channel
+    channel: Any
     stub: hastream_pb2_grpc.StreamTableStub
     calls: int = 0
     retired: bool = False
@@ -53,12 +52,20 @@ class SessionClosed(RuntimeError):
         super().__init__("session is closed")
 
 
+def close_now(dial: Dial) -> None:
+    dial.channel.close()
+
+
 class Dials:
-    """The channels of one session. `dial(site)` makes a new `Dial` (not yet counted).
+    """The channels of one session. `dial(site)` makes a new `Dial` (not yet counted);
+    `close(dial)` closes its channel (the asyncio client schedules the close on its loop).
     Thread-safe; the lock is never held across a network call or a channel's close."""
 
-    def __init__(self, dial: Callable[[str], Dial]) -> None:
+    def __init__(
+        self, dial: Callable[[str], Dial], close: Callable[[Dial], None] = close_now
+    ) -> None:
         self._dial = dial
+        self._close = close
         self._lock = threading.Lock()
         self._current: dict[str, Dial] = {}
         self._retired: list[Dial] = []  # oldest first, each with calls still on it
@@ -104,7 +111,7 @@ class Dials:
                 if done:
                     self._retired.remove(dial)
             if done:
-                dial.channel.close()
+                self._close(dial)
 
         return dial, release
 
@@ -125,7 +132,7 @@ class Dials:
             "dialling a new channel to a site the old one could not connect to site=%s", dial.site
         )
         for old in closing:
-            old.channel.close()
+            self._close(old)
 
     def drop(self, site: str) -> bool:
         """Closes `site`'s current channel now (every call on it fails CANCELLED); the next
@@ -134,7 +141,7 @@ class Dials:
             dial = self._current.pop(site, None)
         if dial is None:
             return False
-        dial.channel.close()
+        self._close(dial)
         return True
 
     def close(self) -> None:
@@ -145,7 +152,7 @@ class Dials:
             self._current.clear()
             self._retired.clear()
         for dial in dials:
-            dial.channel.close()
+            self._close(dial)
 
     def counts(self) -> tuple[int, int]:
         """(current channels, retired channels still open): for tests and status."""

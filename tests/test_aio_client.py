@@ -10,8 +10,15 @@ import pyarrow as pa
 import pytest
 
 from api_clients import aio
-from hastream.errors import PermissionDenied, SchemaMismatch, TableNotFound, Unauthenticated
+from hastream.errors import (
+    PermissionDenied,
+    RaftStoreError,
+    SchemaMismatch,
+    TableNotFound,
+    Unauthenticated,
+)
 from hastream.model import OFFSET_EARLIEST
+from proto import hastream_pb2 as pb
 from tests.harness import LocalCluster, assert_replicas_hold_exactly
 
 SCHEMA = pa.schema([("id", pa.int64()), ("sym", pa.string())])
@@ -174,3 +181,50 @@ def test_a_session_remembers_at_most_tables_remembered_max_tables() -> None:
     aio._remember(memory, "extra", 0)
     assert "t5" in memory
     assert "t6" not in memory
+
+
+def test_a_session_dials_anew_after_a_failed_connect_to_a_restarted_node(
+    tmp_path: Path,
+) -> None:
+    """A node killed and restarted: a session's calls to it dial a new channel once a
+    connect failed (api_clients/dials.py) and reach it again; another session's
+    subscription and appends run on meanwhile."""
+    cluster = LocalCluster(tmp_path / "cluster")
+    cluster.start()
+    leader = cluster.leader()
+    follower = next(alias for alias in cluster.nodes if alias != leader)
+    site = cluster.nodes[follower].site
+
+    async def scenario() -> list[int]:
+        host, port = cluster.nodes[leader].site.split(":")
+        sites = [node.site for node in cluster.nodes.values()]
+        async with await aio.connect(host, int(port), highAvailabilitySites=sites) as session:
+            await session.haStreamTable(2, SCHEMA, "aio_r", 10_000, keyColumn="id")
+            received: list[int] = []
+
+            async def consume() -> None:
+                async for _, table in session.subscribe("aio_r", offset=OFFSET_EARLIEST):
+                    received.extend(table.column("id").to_pylist())
+                    if len(received) >= 20:
+                        return
+
+            consumer = asyncio.create_task(consume())
+            await session.append("aio_r", rows(0, 10))
+            pinned = aio.AioSession([site], deadline_s=3)
+            before = pinned._dials.current(site)
+            await pinned.call("GetStreamingRaftGroups", pb.Empty())
+            cluster.kill(follower)
+            with pytest.raises(RaftStoreError):
+                await pinned.call("GetStreamingRaftGroups", pb.Empty())
+            assert pinned._dials.current(site) is not before  # a failed connect: dialled anew
+            cluster.start_node(follower)
+            await pinned.call("GetStreamingRaftGroups", pb.Empty())
+            await pinned.close()
+            await session.append("aio_r", rows(10, 10))
+            await asyncio.wait_for(consumer, timeout=60)
+            return received
+
+    try:
+        assert asyncio.run(scenario()) == list(range(20))
+    finally:
+        cluster.stop()

@@ -77,7 +77,8 @@ def test_retiring_twice_or_retiring_a_replaced_channel_changes_nothing(
     dials.retire(old)  # another thread's attempt on the old channel failed too
     assert dials.current(site) is fresh
     release()
-    assert is_closed(old) and not is_closed(fresh)
+    assert is_closed(old)
+    assert not is_closed(fresh)
 
 
 def test_retired_channels_are_bounded(dials: Dials, site: str) -> None:
@@ -111,7 +112,8 @@ def test_a_closed_set_closes_every_channel_and_refuses_new_ones(dials: Dials, si
     dials.retire(retired)
     current = dials.current(site)
     dials.close()
-    assert is_closed(retired) and is_closed(current)
+    assert is_closed(retired)
+    assert is_closed(current)
     with pytest.raises(SessionClosed):
         dials.current(site)
     with pytest.raises(SessionClosed):
