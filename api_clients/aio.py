@@ -233,7 +233,7 @@ class AioSession:
         timeout_s: float,
         metadata: tuple[tuple[str, str], ...],
     ) -> hastream_pb2.PublishResponse:
-        """One Publish attempt on `target`: over its publish port when it has one
+        """One Publish attempt on `dial.site`: over its publish port when it has one
         (aio_port.py), else over gRPC (`dial`), whose answer names the port."""
         target = dial.site
         if self._ports.usable(target, len(request.payload)):
