@@ -58,14 +58,19 @@ def close_now(dial: Dial) -> None:
 
 class Dials:
     """The channels of one session. `dial(site)` makes a new `Dial` (not yet counted);
-    `close(dial)` closes its channel (the asyncio client schedules the close on its loop).
-    Thread-safe; the lock is never held across a network call or a channel's close."""
+    `close(dial)` closes its channel (the asyncio client schedules the close on its loop);
+    at most `retired_max` retired channels stay open. Thread-safe; the lock is never held
+    across a network call or a channel's close."""
 
     def __init__(
-        self, dial: Callable[[str], Dial], close: Callable[[Dial], None] = close_now
+        self,
+        dial: Callable[[str], Dial],
+        close: Callable[[Dial], None] = close_now,
+        retired_max: int = RETIRED_MAX,
     ) -> None:
         self._dial = dial
         self._close = close
+        self._retired_max = retired_max
         self._lock = threading.Lock()
         self._current: dict[str, Dial] = {}
         self._retired: list[Dial] = []  # oldest first, each with calls still on it
@@ -126,7 +131,7 @@ class Dials:
             closing = [dial] if dial.calls == 0 else []
             if not closing:
                 self._retired.append(dial)
-                while len(self._retired) > RETIRED_MAX:
+                while len(self._retired) > self._retired_max:
                     closing.append(self._retired.pop(0))
         log.info(
             "dialling a new channel to a site the old one could not connect to site=%s", dial.site

@@ -5,10 +5,13 @@ here reaches a server, the channels' open or closed state is what is checked."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from api_clients import dials as dials_module
 from api_clients.dials import Dial, Dials, SessionClosed
@@ -118,3 +121,111 @@ def test_a_closed_set_closes_every_channel_and_refuses_new_ones(dials: Dials, si
         dials.current(site)
     with pytest.raises(SessionClosed):
         dials.hold(site)
+
+
+class DialsModel(RuleBasedStateMachine):
+    """Random sequences of calls, streams, retirements and drops on two sites against a
+    plain model: which channels are current, which retired ones stay open, and that every
+    channel is closed once, exactly when the model says (the close hook records it)."""
+
+    SITES = ("127.0.0.1:1", "127.0.0.1:2")  # never dialled for real: no call is made
+    RETIRED_MAX = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closes: list[Dial] = []
+
+        def dial(site: str) -> Dial:
+            channel = grpc.insecure_channel(site)
+            return Dial(site, channel, hastream_pb2_grpc.StreamTableStub(channel))
+
+        def close(dial: Dial) -> None:
+            self.closes.append(dial)
+            dial.channel.close()
+
+        # Two retired channels at most: short sequences reach the bound and go past it.
+        self.dials = Dials(dial, close, retired_max=self.RETIRED_MAX)
+        self.calls: dict[int, int] = {}  # id(dial) -> calls the model counts on it
+        self.known: dict[int, Dial] = {}  # in the order they were dialled
+        self.current: dict[str, Dial] = {}
+        self.retired: list[Dial] = []  # retired and open, oldest first
+        self.closed: set[int] = set()
+        self.releases: list[tuple[Dial, Callable[[], None], bool]] = []  # dial, release, done
+
+    def _close(self, dial: Dial) -> None:
+        assert id(dial) not in self.closed
+        self.closed.add(id(dial))
+
+    @rule(site=st.sampled_from(SITES))
+    def hold(self, site: str) -> None:
+        dial, release = self.dials.hold(site)
+        if site in self.current:
+            assert dial is self.current[site]
+        else:
+            assert id(dial) not in self.known  # a new channel, never an old one again
+            self.current[site] = dial
+            self.known[id(dial)] = dial
+            self.calls[id(dial)] = 0
+        self.calls[id(dial)] += 1
+        self.releases.append((dial, release, False))
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        if not self.releases:
+            return
+        index = data.draw(st.integers(0, len(self.releases) - 1))
+        dial, release, done = self.releases[index]
+        release()
+        if done:
+            return  # a second release changes nothing
+        self.releases[index] = (dial, release, True)
+        self.calls[id(dial)] -= 1
+        if self.calls[id(dial)] == 0 and dial in self.retired:
+            self.retired.remove(dial)
+            self._close(dial)
+
+    @rule(site=st.sampled_from(SITES))
+    def retire_current(self, site: str) -> None:
+        """An attempt on the site's current channel could not connect."""
+        if site in self.current:
+            self._retire(self.current[site])
+
+    @rule(data=st.data())
+    def retire(self, data: st.DataObject) -> None:
+        """An attempt on some channel, current or not, could not connect (a late one)."""
+        if self.known:
+            self._retire(data.draw(st.sampled_from(list(self.known.values()))))
+
+    def _retire(self, dial: Dial) -> None:
+        self.dials.retire(dial)
+        if self.current.get(dial.site) is not dial:
+            return
+        del self.current[dial.site]
+        if self.calls[id(dial)] == 0:
+            self._close(dial)
+            return
+        self.retired.append(dial)
+        while len(self.retired) > self.RETIRED_MAX:
+            self._close(self.retired.pop(0))
+
+    @rule(site=st.sampled_from(SITES))
+    def drop(self, site: str) -> None:
+        dropped = self.dials.drop(site)
+        assert dropped == (site in self.current)
+        if dropped:
+            self._close(self.current.pop(site))
+
+    @invariant()
+    def closes_match_the_model(self) -> None:
+        assert {id(dial) for dial in self.closes} == self.closed
+        assert len(self.closes) == len(self.closed)  # each closed once
+        assert self.dials.counts() == (len(self.current), len(self.retired))
+
+    def teardown(self) -> None:
+        self.dials.close()
+        assert {id(dial) for dial in self.closes} == set(self.known)
+        assert len(self.closes) == len(self.known)
+
+
+TestDialsModel = DialsModel.TestCase
+TestDialsModel.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
