@@ -1,7 +1,8 @@
 """A session's channels (api_clients/dials.py) over real gRPC channels: a retired channel
 stays open for the calls on it and closes after the last, a dropped one closes at once, and
 retired channels are bounded. The channels dial a loopback port nothing listens on: no call
-here reaches a server, the channels' open or closed state is what is checked."""
+here reaches a server, the channels' open or closed state is what is checked. `DialsModel`
+runs random sequences of it all against a plain model."""
 
 from __future__ import annotations
 
