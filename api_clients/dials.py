@@ -104,13 +104,13 @@ class Dials:
         with self._lock:
             dial = self._current_locked(site)
             dial.calls += 1
-        released = threading.Event()
+        released = [False]  # under the lock: two threads may end one stream at once
 
         def release() -> None:
-            if released.is_set():
-                return
-            released.set()
             with self._lock:
+                if released[0]:
+                    return
+                released[0] = True
                 dial.calls -= 1
                 done = dial.retired and dial.calls == 0 and dial in self._retired
                 if done:
