@@ -96,7 +96,7 @@ class AioSession:
             )
         self._timeout_s = timeout_s
         self._deadline_s = deadline_s
-        self._dials = Dials(self._new_dial, self._close_later)
+        self._dials = Dials(self._new_dial, self._close_later, self._close_later)
         self._closing: set[asyncio.Task[None]] = set()  # channels' closes under way
         self._leaders: dict[str, str] = {}  # table -> site that answered as its leader
         self._preferred = self._sites[0]

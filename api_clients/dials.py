@@ -56,20 +56,31 @@ def close_now(dial: Dial) -> None:
     dial.channel.close()
 
 
+def close_aside(dial: Dial) -> None:
+    """Closes the channel on a thread of its own. A stream's end is reported on the thread
+    gRPC runs for the channel, and a channel closed there waits for that very thread: the
+    last call's release must not close it in place (a publisher hung on it)."""
+    threading.Thread(target=dial.channel.close, name="channel-close", daemon=True).start()
+
+
 class Dials:
-    """The channels of one session. `dial(site)` makes a new `Dial` (not yet counted);
-    `close(dial)` closes its channel (the asyncio client schedules the close on its loop);
-    at most `retired_max` retired channels stay open. Thread-safe; the lock is never held
-    across a network call or a channel's close."""
+    """The channels of one session. `dial(site)` makes a new `Dial` (not yet counted).
+    `close(dial)` closes a channel for `drop` and `close`, which run on the session's own
+    threads; `close_off_thread(dial)` one retired, from a release or a retirement that may
+    run on a thread of gRPC's (the asyncio client schedules both on its loop). At most
+    `retired_max` retired channels stay open. Thread-safe; the lock is never held across a
+    network call or a channel's close."""
 
     def __init__(
         self,
         dial: Callable[[str], Dial],
         close: Callable[[Dial], None] = close_now,
+        close_off_thread: Callable[[Dial], None] = close_aside,
         retired_max: int = RETIRED_MAX,
     ) -> None:
         self._dial = dial
         self._close = close
+        self._close_off_thread = close_off_thread
         self._retired_max = retired_max
         self._lock = threading.Lock()
         self._current: dict[str, Dial] = {}
@@ -116,7 +127,7 @@ class Dials:
                 if done:
                     self._retired.remove(dial)
             if done:
-                self._close(dial)
+                self._close_off_thread(dial)
 
         return dial, release
 
@@ -137,7 +148,7 @@ class Dials:
             "dialling a new channel to a site the old one could not connect to site=%s", dial.site
         )
         for old in closing:
-            self._close(old)
+            self._close_off_thread(old)
 
     def drop(self, site: str) -> bool:
         """Closes `site`'s current channel now (every call on it fails CANCELLED); the next

@@ -6,7 +6,9 @@ runs random sequences of it all against a plain model."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -15,8 +17,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from api_clients import dials as dials_module
+from api_clients import transport
 from api_clients.dials import Dial, Dials, SessionClosed
-from deploy.local_cluster import free_ports
+from deploy.local_cluster import free_ports, wait_until
 from proto import hastream_pb2, hastream_pb2_grpc
 
 
@@ -34,6 +37,12 @@ def dials() -> Iterator[Dials]:
     made = Dials(dial)
     yield made
     made.close()
+
+
+def closes(dial: Dial) -> bool:
+    """Waits for `dial`'s channel to close: a channel whose last call ended is closed on a
+    thread of its own (`dials.close_aside`)."""
+    return bool(wait_until(lambda: is_closed(dial), timeout_s=10, message="the channel closed"))
 
 
 def is_closed(dial: Dial) -> bool:
@@ -59,7 +68,7 @@ def test_a_retired_channel_stays_open_until_its_last_call_ends(dials: Dials, sit
     release_first()  # a second release is a no-op, not a second decrement
     assert not is_closed(first)  # one call still runs on it
     release_second()
-    assert is_closed(first)
+    assert closes(first)
     assert not is_closed(fresh)
     assert dials.counts() == (1, 0)
 
@@ -68,7 +77,7 @@ def test_a_retired_channel_without_calls_closes_at_once(dials: Dials, site: str)
     with dials.call(site) as dial:
         pass
     dials.retire(dial)
-    assert is_closed(dial)
+    assert closes(dial)
     assert dials.counts() == (0, 0)
 
 
@@ -81,7 +90,7 @@ def test_retiring_twice_or_retiring_a_replaced_channel_changes_nothing(
     dials.retire(old)  # another thread's attempt on the old channel failed too
     assert dials.current(site) is fresh
     release()
-    assert is_closed(old)
+    assert closes(old)
     assert not is_closed(fresh)
 
 
@@ -93,11 +102,13 @@ def test_retired_channels_are_bounded(dials: Dials, site: str) -> None:
         dials.retire(dial)
     assert dials.counts() == (0, dials_module.RETIRED_MAX)
     # The two oldest were closed with calls still on them (they fail CANCELLED).
-    assert [is_closed(dial) for dial, _ in held[:3]] == [True, True, False]
+    assert closes(held[0][0])
+    assert closes(held[1][0])
+    assert not is_closed(held[2][0])
     for _, release in held:
         release()
     assert dials.counts() == (0, 0)
-    assert all(is_closed(dial) for dial, _ in held)
+    assert all(closes(dial) for dial, _ in held)
 
 
 def test_a_dropped_channel_closes_at_once_and_the_next_use_dials_anew(
@@ -145,7 +156,7 @@ class DialsModel(RuleBasedStateMachine):
             dial.channel.close()
 
         # Two retired channels at most: short sequences reach the bound and go past it.
-        self.dials = Dials(dial, close, retired_max=self.RETIRED_MAX)
+        self.dials = Dials(dial, close, close, retired_max=self.RETIRED_MAX)
         self.calls: dict[int, int] = {}  # id(dial) -> calls the model counts on it
         self.known: dict[int, Dial] = {}  # in the order they were dialled
         self.current: dict[str, Dial] = {}
@@ -230,3 +241,49 @@ class DialsModel(RuleBasedStateMachine):
 
 TestDialsModel = DialsModel.TestCase
 TestDialsModel.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+def test_a_stream_that_ends_by_itself_closes_its_retired_channel(dials: Dials) -> None:
+    """The end of a stream is reported on gRPC's own thread for the channel, and its
+    release closes the retired channel. Closed right there, with another call still on it
+    (one not counted, as the hedge's probes are not), the close waited for that very thread
+    to end the other call, and every call on the channel hung (a pipelined publisher, in a
+    full test run)."""
+    done = threading.Event()
+
+    def hold(_: bytes, __: object) -> Iterator[bytes]:
+        yield b"h"
+        done.wait(10)
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    handler = grpc.method_handlers_generic_handler(
+        "test.Ends",
+        {
+            "Once": grpc.unary_stream_rpc_method_handler(lambda _, __: iter([b"x"])),
+            "Hold": grpc.unary_stream_rpc_method_handler(hold),
+        },
+    )
+    server.add_generic_rpc_handlers((handler,))
+    site = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        dial, release = dials.hold(site)
+        other = dial.channel.unary_stream("/test.Ends/Hold")(b"", timeout=10)
+        assert next(other) == b"h"  # in flight, uncounted, until the channel closes
+        call = dial.channel.unary_stream("/test.Ends/Once")(b"", timeout=10)
+        stream = transport.Stream(call, site, 10)
+        stream.when_ended(release)
+        dials.retire(dial)
+        received: list[bytes] = []
+        reader = threading.Thread(target=received.extend, args=(stream,), daemon=True)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), "the stream hung"
+        assert received == [b"x"]
+        assert closes(dial)
+        with pytest.raises(grpc.RpcError) as ended:
+            next(other)
+        assert ended.value.code() == grpc.StatusCode.CANCELLED  # by the close
+    finally:
+        done.set()
+        server.stop(None)
