@@ -41,8 +41,7 @@ class Dial:
     site: str
     channel: Any
     stub: hastream_pb2_grpc.StreamTableStub
-    calls: int = 0
-    retired: bool = False
+    calls: int = 0  # calls and streams on the channel (Dials' lock)
 
 
 class SessionClosed(RuntimeError):
@@ -123,7 +122,8 @@ class Dials:
                     return
                 released[0] = True
                 dial.calls -= 1
-                done = dial.retired and dial.calls == 0 and dial in self._retired
+                # Retired and still open: a channel the bound closed is not closed again.
+                done = dial.calls == 0 and dial in self._retired
                 if done:
                     self._retired.remove(dial)
             if done:
@@ -138,7 +138,6 @@ class Dials:
             if self._current.get(dial.site) is not dial:
                 return
             del self._current[dial.site]
-            dial.retired = True
             closing = [dial] if dial.calls == 0 else []
             if not closing:
                 self._retired.append(dial)
