@@ -50,7 +50,7 @@ from raftstore.peer_auth import PeerSigner, PeerVerifier, peer_key
 from raftstore.peers import PeerClient
 from raftstore.publish_port import PublishPort
 from raftstore.replica import RoleSignal
-from raftstore.replication import RaftReplica, RaftSettings
+from raftstore.replication import HOLD_FOLLOWERS_S, RaftReplica, RaftSettings
 from raftstore.retention import Retention
 from raftstore.scrub import Scrubber
 from raftstore.service import start_server
@@ -274,6 +274,7 @@ class Node:
             yield_after_ack=self._yield_after_ack,
             kernel_syncs=self._tuning.kernel_syncs,
             journal_segment_bytes=self._tuning.journal_segment_bytes,
+            hold_followers_s=self._hold_followers_s(),
         )
         role = RoleSignal()
         applier = self._build_applier(group_id, settings.data_dir, peers)
@@ -285,6 +286,10 @@ class Node:
             in_flight_max=self._tuning.proposals_in_flight,
         )
         self._groups[group_id] = Group(settings, applier, replica, role, batcher)
+
+    def _hold_followers_s(self) -> float:
+        held_ms = self._tuning.hold_followers_ms
+        return HOLD_FOLLOWERS_S if held_ms is None else held_ms / 1000
 
     def _build_catalog(self) -> Catalog:
         """Table names are claimed in the lowest configured group's log (catalog.py)."""

@@ -85,6 +85,8 @@ _POLL_READ_WRITE_ERROR: Final = (
 # Private methods of SyncObj that replication.py replaces or calls.
 SYNCOBJ_METHODS: Final = (
     "_SyncObj__applyLogEntries",
+    "_SyncObj__sendAppendEntries",
+    "_SyncObj__getPrevLogIndexTerm",
     "_SyncObj__doApplyCommand",
     "_SyncObj__onMessageReceived",
     "_SyncObj__sendNextNodeIdx",
@@ -114,6 +116,7 @@ SYNCOBJ_ATTRIBUTES: Final = (
     "_SyncObj__newAppendEntriesTime",
     "_SyncObj__noopIDx",
     "_SyncObj__otherNodes",
+    "_SyncObj__readonlyNodes",
     "_SyncObj__pipeNotifier",
     "_SyncObj__raftCommitIndex",
     "_SyncObj__raftElectionDeadline",

@@ -60,6 +60,10 @@ pickles with protocol 2 and zlib-compresses every message. This module closes ea
    (`_poll_until_next_send`), so pysyncobj's state is still touched by one thread at a
    time; a proposal that finds the lock taken, or entries in flight, goes pysyncobj's way.
    A waited publish saves the wake-up of the tick thread and its GIL hand-over.
+9. Pacing. pysyncobj sends every follower every entry at once; a commit needs only a
+   majority. The leader's send loop (`__sendAppendEntries`, pysyncobj's per follower) sends
+   each new entry at once to the followers a majority needs, and to the others in batches
+   (pacing.py: at most `HOLD_FOLLOWERS_S` after the first entry they lack).
 
 The process-wide patches (journal, encryptor, pickle protocol, compression, link timeouts)
 live in pysyncobj_patches.py with a guard on the pysyncobj version; the per-class ones are
@@ -103,6 +107,7 @@ from raftstore import commands, limits, pre_vote, pysyncobj_patches, trace
 from raftstore.append_rule import AppendPlan, raft_append_rule
 from raftstore.identity import REJOIN_MARKER
 from raftstore.log_limits import OncePerInterval
+from raftstore.pacing import Follower, Pacing
 from raftstore.pre_vote import LogPosition, PreVoteRound
 from raftstore.replica import (
     STALLED,
@@ -167,6 +172,10 @@ _IDLE_TICK_S: Final = 0.05
 # pre-vote gates, which decide whether this tick may start an election, run every tick.
 _HOUSEKEEPING_S: Final = 0.001
 
+# A follower a commit does not need (pacing.py) gets what it lacks once its first missing
+# entry has waited this long, or once it lacks _HOLD_FOLLOWERS_BYTES.
+HOLD_FOLLOWERS_S: Final = 0.010
+_HOLD_FOLLOWERS_BYTES: Final = 1024 * 1024
 # A checkpoint the applier wants is asked for at most this often.
 _CHECKPOINT_FORCE_S: Final = 1.0
 
@@ -183,6 +192,9 @@ class RaftSettings:
     yield_after_ack: bool = True  # tuning.py: see _sync_and_acknowledge
     kernel_syncs: bool = True  # tuning.py: the journal's `sync_ahead`
     journal_segment_bytes: int | None = None  # tuning.py: smaller journal segments
+    # pacing.py: a follower a commit does not need gets entries in batches, the first
+    # entry held back at most this long (0: every follower gets every entry at once).
+    hold_followers_s: float = HOLD_FOLLOWERS_S
 
 
 # --- the replica ---------------------------------------------------------------------------
@@ -221,6 +233,18 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._journal_failures = _JournalFailures(replica)
         self._housekeeping_at = 0.0  # when a tick next runs `_housekeep`
         self._compaction_check_at = 0.0  # when pysyncobj's compaction check next runs
+        # Which followers the leader sends to when (pacing.py); for the term it was made
+        # in, counting the bytes of entries up to `_paced_through`; the send time it last
+        # set (pysyncobj's __newAppendEntriesTime: anything else that moved it asks every
+        # follower to hear by then).
+        self._pacing = Pacing(
+            hold_s=replica.settings.hold_followers_s,
+            hold_bytes=_HOLD_FOLLOWERS_BYTES,
+            heartbeat_s=kwargs["conf"].appendEntriesPeriod,
+        )
+        self._pacing_term: int | None = None
+        self._paced_through = 0
+        self._send_time_set: float | None = None
         super().__init__(*args, **kwargs)
         poller = self._poller
         if not isinstance(poller, PollPoller):
@@ -733,9 +757,110 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                 due = pysyncobj_tcp_connection.monotonicTime()
                 if not urgent:
                     due += _COMMIT_NOTICE_S
+                self._pacing.pull(due)
                 if self._next_send_at() > due:
-                    self._SyncObj__newAppendEntriesTime = due
+                    self._SyncObj__newAppendEntriesTime = self._send_time_set = due
         return False
+
+    def _SyncObj__sendAppendEntries(self) -> None:
+        # pysyncobj's (syncobj.py __sendAppendEntries), except which followers hear now:
+        # the ones a commit needs get every entry at once, the others in batches
+        # (pacing.py); each one sent to still gets everything it lacks, as pysyncobj's.
+        # pysyncobj's chunked send of an entry of appendEntriesBatchSizeBytes or more is
+        # left out: no entry comes near it (limits.RAFT_APPEND_BATCH_BYTES).
+        now = pysyncobj_tcp_connection.monotonicTime()
+        pacing = self._pacing
+        current = self._SyncObj__getCurrentLogIndex()
+        if self._pacing_term != self.raftCurrentTerm:
+            pacing.reset()
+            self._pacing_term = self.raftCurrentTerm
+            self._paced_through = current
+        if self._SyncObj__newAppendEntriesTime != self._send_time_set:
+            pacing.pull(self._SyncObj__newAppendEntriesTime)  # pysyncobj's 0: everyone now
+        added = self._bytes_added(current)
+        voters = self._SyncObj__otherNodes
+        connected = self._SyncObj__connectedNodes
+        next_index = self._SyncObj__raftNextIndex
+        match_index = self._SyncObj__raftMatchIndex
+        followers = [
+            Follower(node, match_index.get(node, 0), max(0, current + 1 - next_index[node]))
+            for node in voters
+            if node in connected
+        ]
+        send = pacing.plan(now, followers, (len(voters) + 1) // 2, added)
+        for node in voters | self._SyncObj__readonlyNodes:
+            if node not in connected:
+                self._SyncObj__serializer.cancelTransmisstion(node)
+                pacing.sent(node, now)  # as pysyncobj: tried again at the next heartbeat
+                continue
+            if node in voters and node not in send:
+                continue
+            self._send_entries(node, now)
+            pacing.sent(node, now)
+        due = min(pacing.next_due(), now + pacing.heartbeat_s)
+        self._SyncObj__newAppendEntriesTime = self._send_time_set = due
+
+    def _bytes_added(self, current: int) -> int:
+        """The bytes of the entries added since the last send plan (pacing.py)."""
+        start = self._paced_through + 1
+        self._paced_through = current
+        if current < start:
+            return 0
+        return sum(len(entry[0]) for entry in self._SyncObj__getEntries(start, current + 1 - start))
+
+    def _send_entries(self, node: Any, started: float) -> None:
+        """pysyncobj's send loop for one follower: append_entries from its next index (a
+        heartbeat if it lacks nothing), or its snapshot while its next index is older than
+        the log."""
+        conf = self._SyncObj__conf
+        send = self._SyncObj__transport.send
+        next_index = self._SyncObj__raftNextIndex
+        connected = self._SyncObj__connectedNodes
+        serializer = self._SyncObj__serializer
+        node_index = next_index[node]
+        single = True
+        serializing = False
+        while node_index <= self._SyncObj__getCurrentLogIndex() or single or serializing:
+            if node_index > self._SyncObj__raftLog[0][1]:
+                prev_index, prev_term = self._SyncObj__getPrevLogIndexTerm(node_index)
+                entries: list[Entry] = []
+                if node_index <= self._SyncObj__getCurrentLogIndex():
+                    entries = self._SyncObj__getEntries(
+                        node_index, None, conf.appendEntriesBatchSizeBytes
+                    )
+                    next_index[node] = entries[-1][1] + 1
+                message = {
+                    "type": "append_entries",
+                    "term": self.raftCurrentTerm,
+                    "commit_index": self._SyncObj__raftCommitIndex,
+                    "entries": entries,
+                    "prevLogIdx": prev_index,
+                    "prevLogTerm": prev_term,
+                }
+                send(node, message)
+                if node not in connected:
+                    break
+            else:
+                transmission = serializer.getTransmissionData(node)
+                message = {
+                    "type": "append_entries",
+                    "term": self.raftCurrentTerm,
+                    "commit_index": self._SyncObj__raftCommitIndex,
+                    "serialized": transmission,
+                }
+                send(node, message)
+                if node not in connected:
+                    break
+                serializing = False
+                if transmission is not None:
+                    if transmission[2]:  # the last chunk
+                        next_index[node] = self._SyncObj__raftLog[1][1] + 1
+                    else:
+                        serializing = True
+            node_index = next_index[node]
+            single = False
+            if pysyncobj_tcp_connection.monotonicTime() - started > conf.appendEntriesPeriod:
+                break
 
 
 class _JournalFailures:

@@ -7,6 +7,7 @@ variable HASTREAM_TUNING before the node starts, e.g.
     HASTREAM_TUNING=yield_after_ack=off
     HASTREAM_TUNING=kernel_syncs=off
     HASTREAM_TUNING=journal_segment_bytes=262144
+    HASTREAM_TUNING=hold_followers_ms=0
 
 Operators have no reason to set it: every default is the product's choice (one, the
 follower's yield, is chosen from the machine: `yields_after_ack`). A knob may only
@@ -28,6 +29,7 @@ from raftstore import limits
 ENVIRONMENT_VARIABLE: Final = "HASTREAM_TUNING"
 _SWITCH_INTERVAL_MS_RANGE: Final = (0.05, 100.0)
 _SWITCHES: Final = {"on": True, "off": False}
+_HOLD_FOLLOWERS_MS_RANGE: Final = (0.0, 50.0)
 _JOURNAL_SEGMENT_BYTES_RANGE: Final = (64 * 1024, limits.RAFT_JOURNAL_SEGMENT_BYTES)
 _Number = TypeVar("_Number", int, float)
 
@@ -54,6 +56,10 @@ class Tuning:
     # more; the room spares need free scales with them): a test's cluster fills, frees and
     # reuses segments within seconds.
     journal_segment_bytes: int | None = None
+    # How long the leader holds entries back from a follower a commit does not need
+    # (raftstore/pacing.py), in ms; 0 sends every follower every entry at once, as
+    # pysyncobj does. None keeps the product's choice.
+    hold_followers_ms: float | None = None
 
 
 DEFAULT: Final = Tuning()
@@ -131,6 +137,12 @@ def parse(text: str, alias: str) -> Tuning:
             _refuse(
                 "journal_segment_bytes", values["journal_segment_bytes"], f"must be {low}..{high}"
             )
+    hold_ms = None
+    if "hold_followers_ms" in values:
+        hold_ms = _number("hold_followers_ms", values["hold_followers_ms"], float)
+        low, high = _HOLD_FOLLOWERS_MS_RANGE
+        if not low <= hold_ms <= high:
+            _refuse("hold_followers_ms", values["hold_followers_ms"], f"must be {low}..{high}")
     return Tuning(
         proposals_in_flight=in_flight,
         switch_interval_ms=switch_ms,
@@ -138,6 +150,7 @@ def parse(text: str, alias: str) -> Tuning:
         yield_after_ack=yield_after_ack,
         kernel_syncs=kernel_syncs,
         journal_segment_bytes=segment_bytes,
+        hold_followers_ms=hold_ms,
     )
 
 

@@ -189,7 +189,7 @@ def test_the_client_and_shared_packages_import_the_project_at_module_level_only(
 # the RPC servicer, the node (composition root).
 NODE_LAYERS: dict[str, int] = {
     **dict.fromkeys(("limits", "health", "config", "stats", "log_limits", "passwords"), 0),
-    **dict.fromkeys(("tuning", "trace", "cache_budget", "pre_vote", "append_rule"), 0),
+    **dict.fromkeys(("tuning", "trace", "cache_budget", "pre_vote", "append_rule", "pacing"), 0),
     **dict.fromkeys(("threads", "allocator", "key_table", "check_memo", "batch_memory"), 0),
     **dict.fromkeys(("values", "checked_payload"), 0),
     **dict.fromkeys(

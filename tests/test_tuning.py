@@ -20,12 +20,13 @@ def test_unset_is_the_products_defaults() -> None:
     assert tuning.DEFAULT.yield_after_ack is None  # chosen from the machine at start
     assert tuning.DEFAULT.kernel_syncs is True
     assert tuning.DEFAULT.journal_segment_bytes is None
+    assert tuning.DEFAULT.hold_followers_ms is None  # replication.HOLD_FOLLOWERS_S
 
 
 def test_every_knob_is_read_and_the_alias_substituted() -> None:
     text = (
         " proposals_in_flight=2, switch_interval_ms=0.5 ,trace_file=/tmp/<ALIAS>-trace.json,"
-        "yield_after_ack=off, kernel_syncs=off, journal_segment_bytes=262144"
+        "yield_after_ack=off, kernel_syncs=off, journal_segment_bytes=262144, hold_followers_ms=0"
     )
     assert tuning.from_environment({"HASTREAM_TUNING": text}, "node7") == tuning.Tuning(
         proposals_in_flight=2,
@@ -34,6 +35,7 @@ def test_every_knob_is_read_and_the_alias_substituted() -> None:
         yield_after_ack=False,
         kernel_syncs=False,
         journal_segment_bytes=262144,
+        hold_followers_ms=0.0,
     )
     assert tuning.parse("kernel_syncs=on", "n") == tuning.DEFAULT
     assert tuning.parse("yield_after_ack=on", "n").yield_after_ack is True
@@ -53,6 +55,9 @@ def test_every_knob_is_read_and_the_alias_substituted() -> None:
         ("journal_segment_bytes=1000", "journal_segment_bytes", "must be 65536..67108864"),
         ("journal_segment_bytes=67108865", "journal_segment_bytes", "must be 65536.."),
         ("journal_segment_bytes=1MiB", "journal_segment_bytes", "not an integer"),
+        ("hold_followers_ms=-1", "hold_followers_ms", "must be 0.0..50.0"),
+        ("hold_followers_ms=51", "hold_followers_ms", "must be 0.0..50.0"),
+        ("hold_followers_ms=soon", "hold_followers_ms", "not a number"),
         ("peer_auth=off", "peer_auth", "unknown knob"),
         ("proposals_in_flight", "proposals_in_flight", "expected key=value"),
         ("proposals_in_flight=1,proposals_in_flight=2", "proposals_in_flight", "given twice"),
