@@ -62,6 +62,11 @@ class Pacing:
         """The followers the last plan sent every entry at once."""
         return self._eager
 
+    @property
+    def holding(self) -> bool:
+        """Whether a follower lacks entries the leader holds back from it."""
+        return bool(self._held_since)
+
     def reset(self) -> None:
         """A new term (or a new leader): every follower is due at once."""
         self._due.clear()

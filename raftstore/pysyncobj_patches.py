@@ -237,9 +237,10 @@ class AesGcmEncryptor:
         self._nonce_prefix = os.urandom(4)
         self._counter = itertools.count()
         self._opened: tuple[bytes, bytes] | None = None  # (token, plaintext)
-        # id(plaintext) -> (plaintext, nonce, sealed): this tick's pieces (plaintext held so
-        # that its id cannot be reused while it is here).
-        self._pieces: dict[int, tuple[Any, bytes, bytes]] = {}
+        # id(plaintext) -> (plaintext, nonce, sealed, when sealed): the pieces sealed since
+        # `forget_pieces`, oldest first (plaintext held so that its id cannot be reused
+        # while it is here).
+        self._pieces: dict[int, tuple[Any, bytes, bytes, float]] = {}
         self._pieces_bytes = 0
 
     def _nonce(self) -> bytes:
@@ -262,14 +263,25 @@ class AesGcmEncryptor:
         nonce = self._nonce()
         sealed = self._aead.encrypt(nonce, data, self._PIECE_AAD)
         if self._pieces_bytes + len(sealed) <= limits.RAFT_SHARED_PIECES_BYTES_MAX:
-            self._pieces[id(data)] = (data, nonce, sealed)
+            now = pysyncobj_tcp_connection.monotonicTime()
+            self._pieces[id(data)] = (data, nonce, sealed, now)
             self._pieces_bytes += len(sealed)
         return nonce, sealed
 
-    def forget_pieces(self) -> None:
-        """Let this tick's sealed pieces go (the links' outboxes hold what is unsent)."""
-        self._pieces.clear()
-        self._pieces_bytes = 0
+    def forget_pieces(self, sealed_before: float | None = None) -> None:
+        """Let the sealed pieces go (the links' outboxes hold what is unsent): all of them,
+        or those sealed before `sealed_before` (monotonic seconds), which a follower the
+        leader holds back (pacing.py) will not be sent any more."""
+        pieces = self._pieces
+        if sealed_before is None:
+            pieces.clear()
+            self._pieces_bytes = 0
+            return
+        for key, (_, _, sealed, sealed_at) in list(pieces.items()):
+            if sealed_at >= sealed_before:
+                break
+            del pieces[key]
+            self._pieces_bytes -= len(sealed)
 
     def seal_split(self, head: bytes, pieces: list[Any], current_time: int) -> list[bytes]:
         """A split token's parts: the pickled message without its pieces, and the pieces

@@ -402,8 +402,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                 return
             with self._journal_failures:
                 self._checkCommandsToApply()
-            if self.encryptor is not None:
-                self.encryptor.forget_pieces()
+            self._forget_sealed_pieces()
             if self._links_unsent() or self._commands_queued():
                 # The tick's poll waits on the links' old events; one whose bytes the socket
                 # did not all take needs it to wait for writability too. And pysyncobj's
@@ -518,8 +517,21 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         if finished >= self._housekeeping_at:
             self._housekeeping_at = finished + _HOUSEKEEPING_S
             self._housekeep()
-        if self.encryptor is not None:
-            self.encryptor.forget_pieces()  # this tick's frames are queued on their links
+        self._forget_sealed_pieces()
+
+    def _forget_sealed_pieces(self) -> None:
+        """At a tick's end (its frames are queued on their links): the entries' pieces
+        sealed for the links (pysyncobj_patches.AesGcmEncryptor.seal_piece) go, but for
+        those a held-back follower is still to be sent (pacing.py), which it would
+        otherwise seal again: up to twice the hold's worth."""
+        encryptor = self.encryptor
+        if encryptor is None:
+            return
+        if self._pacing.holding:
+            now = pysyncobj_tcp_connection.monotonicTime()
+            encryptor.forget_pieces(sealed_before=now - 2 * self._pacing.hold_s)
+        else:
+            encryptor.forget_pieces()
 
     def _housekeep(self) -> None:
         """What a tick looks at but rarely finds to do: at most every _HOUSEKEEPING_S."""
@@ -806,6 +818,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._paced_through = current
         if current < start:
             return 0
+        if current == start:  # one entry added: the journal's last, held in memory
+            return len(self._journal[-1][0])
         return sum(len(entry[0]) for entry in self._SyncObj__getEntries(start, current + 1 - start))
 
     def _send_entries(self, node: Any, started: float) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 import struct
 
+import pysyncobj.tcp_connection as pysyncobj_tcp_connection
 import pytest
 from cryptography.exceptions import InvalidTag
 from hypothesis import given, settings
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from raftstore import limits, pysyncobj_patches
 from raftstore.pysyncobj_patches import AesGcmEncryptor
+from tests.harness import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -122,6 +124,26 @@ def test_a_command_sent_on_two_links_in_one_tick_is_encrypted_once() -> None:
     assert third[-1] != first[-1]  # sealed anew under a fresh nonce
     receiver = AesGcmEncryptor("secret")
     for body in (first, second, third):
+        assert _opened(receiver, b"".join(body))[1][1] == message  # type: ignore[index]
+
+
+def test_pieces_sealed_since_a_time_are_kept_for_a_held_back_follower() -> None:
+    sender = AesGcmEncryptor("secret")
+    older, newer = _append_entries(2 * BIG), _append_entries(3 * BIG)
+    older_sealed = pysyncobj_patches._sealed(sender, (b"link-1", older), 5)
+    clock = pysyncobj_tcp_connection.monotonicTime  # the clock seal_piece reads
+    between = clock()
+    wait_until(lambda: clock() > between, timeout_s=1, message="the clock moves")
+    newer_sealed = pysyncobj_patches._sealed(sender, (b"link-1", newer), 5)
+    sender.forget_pieces(sealed_before=between)  # a tick's end, a follower held back
+    again_older = pysyncobj_patches._sealed(sender, (b"link-2", older), 6)
+    again_newer = pysyncobj_patches._sealed(sender, (b"link-2", newer), 6)
+    assert again_newer[-1] is newer_sealed[-1]  # kept: one encryption for both links
+    assert again_older[-1] != older_sealed[-1]  # let go: sealed anew under a fresh nonce
+    sender.forget_pieces()
+    assert pysyncobj_patches._sealed(sender, (b"link-1", newer), 7)[-1] != newer_sealed[-1]
+    receiver = AesGcmEncryptor("secret")
+    for body, message in ((again_older, older), (again_newer, newer)):
         assert _opened(receiver, b"".join(body))[1][1] == message  # type: ignore[index]
 
 
