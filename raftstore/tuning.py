@@ -114,12 +114,7 @@ def parse(text: str, alias: str) -> Tuning:
         if not 1 <= in_flight <= limits.PROPOSALS_IN_FLIGHT_MAX:
             reason = f"must be 1..{limits.PROPOSALS_IN_FLIGHT_MAX} (limits.py sizes buffers by it)"
             _refuse("proposals_in_flight", values["proposals_in_flight"], reason)
-    switch_ms = None
-    if "switch_interval_ms" in values:
-        switch_ms = _number("switch_interval_ms", values["switch_interval_ms"], float)
-        low, high = _SWITCH_INTERVAL_MS_RANGE
-        if not low <= switch_ms <= high:
-            _refuse("switch_interval_ms", values["switch_interval_ms"], f"must be {low}..{high}")
+    switch_ms = _ranged(values, "switch_interval_ms", float, _SWITCH_INTERVAL_MS_RANGE)
     trace_file = None
     if values.get("trace_file"):
         trace_file = Path(values["trace_file"].replace("<ALIAS>", alias))
@@ -129,20 +124,8 @@ def parse(text: str, alias: str) -> Tuning:
     kernel_syncs = DEFAULT.kernel_syncs
     if "kernel_syncs" in values:
         kernel_syncs = _switch("kernel_syncs", values["kernel_syncs"])
-    segment_bytes = None
-    if "journal_segment_bytes" in values:
-        segment_bytes = _number("journal_segment_bytes", values["journal_segment_bytes"], int)
-        low, high = _JOURNAL_SEGMENT_BYTES_RANGE
-        if not low <= segment_bytes <= high:
-            _refuse(
-                "journal_segment_bytes", values["journal_segment_bytes"], f"must be {low}..{high}"
-            )
-    hold_ms = None
-    if "hold_followers_ms" in values:
-        hold_ms = _number("hold_followers_ms", values["hold_followers_ms"], float)
-        low, high = _HOLD_FOLLOWERS_MS_RANGE
-        if not low <= hold_ms <= high:
-            _refuse("hold_followers_ms", values["hold_followers_ms"], f"must be {low}..{high}")
+    segment_bytes = _ranged(values, "journal_segment_bytes", int, _JOURNAL_SEGMENT_BYTES_RANGE)
+    hold_ms = _ranged(values, "hold_followers_ms", float, _HOLD_FOLLOWERS_MS_RANGE)
     return Tuning(
         proposals_in_flight=in_flight,
         switch_interval_ms=switch_ms,
@@ -177,6 +160,19 @@ def _number(key: str, value: str, kind: type[_Number]) -> _Number:
         return kind(value)
     except ValueError:
         _refuse(key, value, f"not {'an integer' if kind is int else 'a number'}")
+
+
+def _ranged(
+    values: Mapping[str, str], key: str, kind: type[_Number], bounds: tuple[_Number, _Number]
+) -> _Number | None:
+    """The knob `key` as a number within `bounds` (inclusive), or None when not given."""
+    if key not in values:
+        return None
+    number = _number(key, values[key], kind)
+    low, high = bounds
+    if not low <= number <= high:
+        _refuse(key, values[key], f"must be {low}..{high}")
+    return number
 
 
 def _switch(key: str, value: str) -> bool:
