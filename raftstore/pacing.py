@@ -25,6 +25,7 @@ gets a heartbeat every `heartbeat_s`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -110,8 +111,9 @@ class Pacing:
         self._held_bytes.pop(node, None)
 
     def next_due(self) -> float:
-        """When the leader's tick must send next (0: at once, no follower known yet)."""
-        return min(self._due.values(), default=0.0)
+        """When the leader's tick must send next to some follower (inf: none known yet;
+        a follower not planned for yet is due at once)."""
+        return min(self._due.values(), default=math.inf)
 
     def _choose_eager(
         self, now: float, followers: Sequence[Follower], needed: int

@@ -234,9 +234,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._housekeeping_at = 0.0  # when a tick next runs `_housekeep`
         self._compaction_check_at = 0.0  # when pysyncobj's compaction check next runs
         # Which followers the leader sends to when (pacing.py); for the term it was made
-        # in, counting the bytes of entries up to `_paced_through`; the send time it last
-        # set (pysyncobj's __newAppendEntriesTime: anything else that moved it asks every
-        # follower to hear by then).
+        # in (a new term makes every follower due), counting the bytes of entries up to
+        # `_paced_through`.
         self._pacing = Pacing(
             hold_s=replica.settings.hold_followers_s,
             hold_bytes=_HOLD_FOLLOWERS_BYTES,
@@ -244,7 +243,6 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         )
         self._pacing_term: int | None = None
         self._paced_through = 0
-        self._send_time_set: float | None = None
         super().__init__(*args, **kwargs)
         poller = self._poller
         if not isinstance(poller, PollPoller):
@@ -771,7 +769,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                     due += _COMMIT_NOTICE_S
                 self._pacing.pull(due)
                 if self._next_send_at() > due:
-                    self._SyncObj__newAppendEntriesTime = self._send_time_set = due
+                    self._SyncObj__newAppendEntriesTime = due
         return False
 
     def _SyncObj__sendAppendEntries(self) -> None:
@@ -787,8 +785,6 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             pacing.reset()
             self._pacing_term = self.raftCurrentTerm
             self._paced_through = current
-        if self._SyncObj__newAppendEntriesTime != self._send_time_set:
-            pacing.pull(self._SyncObj__newAppendEntriesTime)  # pysyncobj's 0: everyone now
         added = self._bytes_added(current)
         voters = self._SyncObj__otherNodes
         connected = self._SyncObj__connectedNodes
@@ -810,7 +806,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             self._send_entries(node, now)
             pacing.sent(node, now)
         due = min(pacing.next_due(), now + pacing.heartbeat_s)
-        self._SyncObj__newAppendEntriesTime = self._send_time_set = due
+        self._SyncObj__newAppendEntriesTime = due
 
     def _bytes_added(self, current: int) -> int:
         """The bytes of the entries added since the last send plan (pacing.py)."""

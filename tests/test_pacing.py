@@ -23,6 +23,16 @@ def pacing() -> Pacing:
     return Pacing(hold_s=HOLD_S, hold_bytes=HOLD_BYTES, heartbeat_s=HEARTBEAT_S)
 
 
+def started(match: int) -> tuple[Pacing, str, str]:
+    """A new leader's pacing after its first plan (both followers acknowledged `match`):
+    the pacing, its eager follower and the other one."""
+    plan = pacing()
+    both = [Follower("a", match, 0), Follower("b", match, 0)]
+    assert sorted(sent_once(plan, 0.0, both), key=str) == ["a", "b"]  # a new term: everyone
+    (eager,) = plan.eager
+    return plan, str(eager), "b" if eager == "a" else "a"
+
+
 def sent_once(plan: Pacing, now: float, followers: list[Follower]) -> list[object]:
     send = plan.plan(now, followers, 1, 0)
     for node in send:
@@ -32,11 +42,7 @@ def sent_once(plan: Pacing, now: float, followers: list[Follower]) -> list[objec
 
 @pytest.mark.unit
 def test_one_follower_gets_each_entry_the_other_waits() -> None:
-    plan = pacing()
-    both = [Follower("a", 10, 0), Follower("b", 10, 0)]
-    assert sorted(sent_once(plan, 0.0, both), key=str) == ["a", "b"]  # a new term: everyone
-    (eager,) = plan.eager
-    other = "b" if eager == "a" else "a"
+    plan, eager, other = started(10)
     assert plan.plan(0.001, [Follower(eager, 10, 1), Follower(other, 10, 1)], 1, 100) == [eager]
     plan.sent(eager, 0.001)
     assert plan.next_due() == pytest.approx(0.001 + HOLD_S)  # the other's first held entry
@@ -57,10 +63,7 @@ def test_a_held_follower_goes_at_once_when_it_lacks_hold_bytes() -> None:
 
 @pytest.mark.unit
 def test_a_follower_that_falls_behind_for_hold_s_loses_its_place() -> None:
-    plan = pacing()
-    sent_once(plan, 0.0, [Follower("a", 5, 0), Follower("b", 5, 0)])
-    (frozen,) = plan.eager
-    other = "b" if frozen == "a" else "a"
+    plan, frozen, other = started(5)
     assert plan.plan(0.001, [Follower(frozen, 5, 1), Follower(other, 5, 1)], 1, 10) == [frozen]
     plan.sent(frozen, 0.001)
     # The eager one never acknowledges; the other's batch goes HOLD_S later.
@@ -77,10 +80,7 @@ def test_a_follower_that_falls_behind_for_hold_s_loses_its_place() -> None:
 
 @pytest.mark.unit
 def test_an_eager_follower_that_catches_up_in_time_keeps_its_place() -> None:
-    plan = pacing()
-    sent_once(plan, 0.0, [Follower("a", 5, 0), Follower("b", 5, 0)])
-    (eager,) = plan.eager
-    other = "b" if eager == "a" else "a"
+    plan, eager, other = started(5)
     for step in range(1, 20):  # the other's batch acknowledged first, every time
         now = step * 0.009
         plan.plan(now, [Follower(eager, 5 + step - 1, 1), Follower(other, 5 + step, 1)], 1, 10)
