@@ -336,10 +336,13 @@ class Session:
             if group is not None and self._group_leaders.get(group) == site:
                 del self._group_leaders[group]
 
-    def stub(self, site: str) -> hastream_pb2_grpc.StreamTableStub:
+    def hold_stub(self, site: str) -> tuple[hastream_pb2_grpc.StreamTableStub, Callable[[], None]]:
         """The stub of `site`'s current channel (api_clients/dials.py), dialled on first
-        use. Raises SessionClosed (a RuntimeError) after `close()`."""
-        return self._dials.current(site).stub
+        use, and the release of the one call it counts on that channel: a channel retired
+        meanwhile stays open until it is called (the hedge's probes, which are futures).
+        Raises SessionClosed (a RuntimeError) after `close()`."""
+        dial, release = self._dials.hold(site)
+        return dial.stub, release
 
     def _new_dial(self, site: str) -> Dial:
         channel = (
@@ -554,11 +557,11 @@ class Session:
             return None
         if not self._ports.known(site):
             try:
-                status = json.loads(
-                    transport.unary(
-                        self.stub(site), "GetNodeStatus", hastream_pb2.Empty(), site, PORT_ASK_S
-                    ).json
-                )
+                with self._dials.call(site) as dial:
+                    answer = transport.unary(
+                        dial.stub, "GetNodeStatus", hastream_pb2.Empty(), site, PORT_ASK_S
+                    )
+                status = json.loads(answer.json)
             except (RaftStoreError, ValueError):
                 return None  # asked again at the next stream
             self._ports.learn(site, int((status.get("publish_port") or {}).get("port", 0)))

@@ -59,7 +59,7 @@ class ProbeHost(Protocol):
     @property
     def sites(self) -> list[str]: ...
 
-    def stub(self, site: str) -> Any: ...
+    def hold_stub(self, site: str) -> tuple[Any, Callable[[], None]]: ...
 
     def learn_site(self, address: str) -> str | None: ...
 
@@ -148,16 +148,23 @@ class LeaderWatch:
         if group is None and self._table is not None:
             group = self._host.table_group(self._table)
         try:
-            stub = self._host.stub(site)
+            stub, release = self._host.hold_stub(site)
         except RuntimeError:  # the session closed
             return
-        if group is not None:
-            request: Any = hastream_pb2.GroupRequest(raft_group=group)
-            future = stub.GetStreamingLeader.future(request, timeout=PROBE_TIMEOUT_S)
-        else:
-            future = stub.GetStreamingRaftGroups.future(
-                hastream_pb2.Empty(), timeout=PROBE_TIMEOUT_S
-            )
+        # The probe counts on its channel until it ends (api_clients/dials.py): a channel
+        # retired meanwhile is closed only after it, not under it.
+        try:
+            if group is not None:
+                request: Any = hastream_pb2.GroupRequest(raft_group=group)
+                future = stub.GetStreamingLeader.future(request, timeout=PROBE_TIMEOUT_S)
+            else:
+                future = stub.GetStreamingRaftGroups.future(
+                    hastream_pb2.Empty(), timeout=PROBE_TIMEOUT_S
+                )
+        except BaseException:
+            release()
+            raise
+        future.add_done_callback(lambda _: release())
         probe = _Probe(asked_at=now, future=future)
         with self._lock:
             if self._closed:

@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from api_clients import dials as dials_module
 from api_clients import transport
 from api_clients.dials import Dial, Dials, SessionClosed
+from api_clients.hedge import LeaderWatch
 from deploy.local_cluster import free_ports, wait_until
 from proto import hastream_pb2, hastream_pb2_grpc
 
@@ -246,7 +247,7 @@ TestDialsModel.settings = settings(max_examples=150, stateful_step_count=60, dea
 def test_a_stream_that_ends_by_itself_closes_its_retired_channel(dials: Dials) -> None:
     """The end of a stream is reported on gRPC's own thread for the channel, and its
     release closes the retired channel. Closed right there, with another call still on it
-    (one not counted, as the hedge's probes are not), the close waited for that very thread
+    (one not counted, as the hedge's probes were not), the close waited for that very thread
     to end the other call, and every call on the channel hung (a pipelined publisher, in a
     full test run)."""
     done = threading.Event()
@@ -286,4 +287,66 @@ def test_a_stream_that_ends_by_itself_closes_its_retired_channel(dials: Dials) -
         assert ended.value.code() == grpc.StatusCode.CANCELLED  # by the close
     finally:
         done.set()
+        server.stop(None)
+
+
+class _ProbeHost:
+    """What a LeaderWatch needs of a session (hedge.ProbeHost), over `dials`."""
+
+    def __init__(self, dials: Dials, sites: list[str]) -> None:
+        self._dials = dials
+        self.sites = sites
+
+    def hold_stub(self, site: str) -> tuple[hastream_pb2_grpc.StreamTableStub, Callable[[], None]]:
+        dial, release = self._dials.hold(site)
+        return dial.stub, release
+
+    def learn_site(self, address: str) -> str | None:
+        return address.rsplit(":", 1)[0] if address.count(":") == 2 else address
+
+    def table_group(self, table: str) -> int | None:
+        return None
+
+    def remember_table_group(self, table: str, group: int) -> None:
+        return None
+
+
+def test_a_hedge_probe_keeps_its_retired_channel_open_until_it_ends(dials: Dials) -> None:
+    """The hedge asks the other sites who leads with gRPC futures. Uncounted, a probe in
+    flight on a channel retired meanwhile had the channel closed under it (CANCELLED), and
+    the watch lost that site's answer."""
+    entered, answer = threading.Event(), threading.Event()
+
+    def leader(request: hastream_pb2.GroupRequest, _: object) -> hastream_pb2.LeaderInfo:
+        entered.set()
+        answer.wait(10)
+        return hastream_pb2.LeaderInfo(raft_group=request.raft_group, leader="")
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    handler = grpc.method_handlers_generic_handler(
+        "hastream.v1.StreamTable",
+        {
+            "GetStreamingLeader": grpc.unary_unary_rpc_method_handler(
+                leader,
+                request_deserializer=hastream_pb2.GroupRequest.FromString,
+                response_serializer=hastream_pb2.LeaderInfo.SerializeToString,
+            )
+        },
+    )
+    server.add_generic_rpc_handlers((handler,))
+    asked = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    silent = f"127.0.0.1:{free_ports(1)[0]}"
+    watch = LeaderWatch(_ProbeHost(dials, [silent, asked]), silent, table=None, group=2, delay_s=0)
+    try:
+        assert watch.check(waited_s=1.0) is None  # asks `asked` who leads
+        assert entered.wait(10), "the probe did not reach the site"
+        dial = dials.current(asked)
+        dials.retire(dial)
+        assert not is_closed(dial), "the channel closed under the probe in flight"
+        answer.set()
+        assert closes(dial)  # once the probe ended, its retired channel goes
+    finally:
+        answer.set()
+        watch.close()
         server.stop(None)
