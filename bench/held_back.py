@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import os
 import shutil
 import signal
 import statistics
@@ -117,16 +116,16 @@ def held_back_follower(leader: str, append: Callable[[], object], pids: dict[str
 
 
 @contextmanager
-def stopped(pid: int, stop: bool) -> Iterator[None]:
-    """The process stopped (SIGSTOP) for the block when `stop`; continued however it ends."""
+def stopped(cluster: LocalCluster, alias: str, stop: bool) -> Iterator[None]:
+    """The node stopped (SIGSTOP) for the block when `stop`; continued however it ends."""
     if not stop:
         yield
         return
-    os.kill(pid, signal.SIGSTOP)
+    cluster.signal(alias, signal.SIGSTOP)
     try:
         yield
     finally:
-        os.kill(pid, signal.SIGCONT)
+        cluster.signal(alias, signal.SIGCONT)
 
 
 def window(
@@ -215,7 +214,7 @@ def _run(
             print(f"leader {leader}, held-back follower {held}", flush=True)
             for number in range(rounds):
                 for mode in MODES if number % 2 == 0 else tuple(reversed(MODES)):
-                    with stopped(pids[held], mode == "stopped"):
+                    with stopped(cluster, held, mode == "stopped"):
                         found = window(mode, publisher, build, numbers, seconds, pids)
                     windows.append(found)
                     print(progress_line(number, found), flush=True)

@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from api_clients import dials as dials_module
 from api_clients import transport
+from api_clients.connection import Session
 from api_clients.dials import Dial, Dials, SessionClosed
 from api_clients.hedge import LeaderWatch
 from deploy.local_cluster import free_ports, wait_until
@@ -290,28 +291,7 @@ def test_a_stream_that_ends_by_itself_closes_its_retired_channel(dials: Dials) -
         server.stop(None)
 
 
-class _ProbeHost:
-    """What a LeaderWatch needs of a session (hedge.ProbeHost), over `dials`."""
-
-    def __init__(self, dials: Dials, sites: list[str]) -> None:
-        self._dials = dials
-        self.sites = sites
-
-    def hold_stub(self, site: str) -> tuple[hastream_pb2_grpc.StreamTableStub, Callable[[], None]]:
-        dial, release = self._dials.hold(site)
-        return dial.stub, release
-
-    def learn_site(self, address: str) -> str | None:
-        return address.rsplit(":", 1)[0] if address.count(":") == 2 else address
-
-    def table_group(self, table: str) -> int | None:
-        return None
-
-    def remember_table_group(self, table: str, group: int) -> None:
-        return None
-
-
-def test_a_hedge_probe_keeps_its_retired_channel_open_until_it_ends(dials: Dials) -> None:
+def test_a_hedge_probe_keeps_its_retired_channel_open_until_it_ends() -> None:
     """The hedge asks the other sites who leads with gRPC futures. Uncounted, a probe in
     flight on a channel retired meanwhile had the channel closed under it (CANCELLED), and
     the watch lost that site's answer."""
@@ -337,7 +317,9 @@ def test_a_hedge_probe_keeps_its_retired_channel_open_until_it_ends(dials: Dials
     asked = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
     silent = f"127.0.0.1:{free_ports(1)[0]}"
-    watch = LeaderWatch(_ProbeHost(dials, [silent, asked]), silent, table=None, group=2, delay_s=0)
+    session = Session([silent, asked], hedge_delay_s=None)  # the watch below is the test's
+    dials = session._dials
+    watch = LeaderWatch(session, silent, table=None, group=2, delay_s=0)
     try:
         assert watch.check(waited_s=1.0) is None  # asks `asked` who leads
         assert entered.wait(10), "the probe did not reach the site"
@@ -349,4 +331,5 @@ def test_a_hedge_probe_keeps_its_retired_channel_open_until_it_ends(dials: Dials
     finally:
         answer.set()
         watch.close()
+        session.close()
         server.stop(None)
