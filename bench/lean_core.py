@@ -34,8 +34,9 @@ Left out of both: gRPC, client authentication, term/vote handling, flow control,
 group commit's queue. If `lean` is not above NATS here, no Python rewrite reaches NATS;
 `lean-apply` against `hastream` is what replacing pysyncobj's path alone would give.
 
-Every rep runs every (system, shape) cell once in a seeded random order; the NATS and
-hastream cells are bench.vs_nats's. Reported per shape: medians of rows/s, the ratios to
+Every rep runs every (system, shape) cell once, as bench.vs_nats orders them (the shapes in
+a seeded random order, each shape's cells back to back); the NATS and hastream cells are
+bench.vs_nats's. Reported per shape: medians of rows/s, the ratios to
 NATS, the p50 of the waited shapes, and the servers' CPU per publish. The lean client has
 no coalescing of 1-row appends (hastream's Publisher has), so its async cells say little.
 """

@@ -34,13 +34,17 @@ the hastream client follows its leader. 4 publishers are 4 threads, each with it
 Session and Publisher (hastream), or 4 connections driven by one event loop (NATS); both in
 this one process.
 
-Every rep runs every (system, shape) cell once, in a random order per rep (seeded; the seed
-is printed), so load from the rest of the machine hits both systems alike. A cell publishes
-for --seconds into a fresh table or stream (one warm-up publish first), then drops it.
-Reported: medians over the reps of rows/s (acknowledged rows / time from the start to the
-last ack), their ratio hastream / NATS, the p50 ack latency of the waiting shapes (the
-append or publish call alone, not the building of its data), and the CPU of each system's
-three server processes (/proc/<pid>/stat).
+Every rep runs every (system, shape) cell once (seeded; the seed is printed): the shapes in
+a random order, and each shape's cells back to back, the system that goes first drawn at
+random. A cell publishes for --seconds into a fresh table or stream (one warm-up publish
+first), then drops it. Reported: medians over the reps of rows/s (acknowledged rows / time
+from the start to the last ack), their ratio hastream / NATS, the p50 ack latency of the
+waiting shapes (the append or publish call alone, not the building of its data), and the
+CPU of each system's three server processes (/proc/<pid>/stat). Beside the ratio of the
+medians, each rep's own ratio (its two cells, seconds apart): their median, lowest and
+highest, and in how many reps hastream was ahead. This machine's speed drifts by tens of
+percent within a minute (other tenants), which a ratio of two cells minutes apart takes
+whole; the paired ratio cancels most of it.
 
 Writes bench/results/vs-nats.md and .json (or --markdown / --json) and prints the table.
 """
@@ -217,6 +221,32 @@ class ShapeSummary:
     errors: int
     nats_call: CallCosts
     hastream_call: CallCosts
+    paired: PairedRatios
+
+
+@dataclass(frozen=True)
+class PairedRatios:
+    """hastream / NATS rows/s of each rep's two cells of one shape (run back to back):
+    their median, lowest and highest, and the reps in which hastream was ahead."""
+
+    median: float
+    low: float
+    high: float
+    ahead: int
+    reps: int
+
+    @staticmethod
+    def of(hastream: list[CellResult], nats: list[CellResult]) -> PairedRatios:
+        by_rep = {cell.rep: cell.rows_per_s for cell in nats}
+        ratios = [
+            cell.rows_per_s / by_rep[cell.rep]
+            for cell in hastream
+            if by_rep.get(cell.rep)  # a rep with both cells, NATS's not at zero
+        ]
+        if not ratios:
+            return PairedRatios(math.nan, math.nan, math.nan, 0, 0)
+        ahead = sum(1 for ratio in ratios if ratio >= 1.0)
+        return PairedRatios(common.median(ratios), min(ratios), max(ratios), ahead, len(ratios))
 
 
 def cell_result(
@@ -594,10 +624,16 @@ class NatsSide:
 def cell_order(
     shapes: Sequence[Shape], rng: random.Random, systems: Sequence[str] = SYSTEMS
 ) -> list[tuple[str, Shape]]:
-    """Every (system, shape) cell once, shuffled: no system always runs right after the other
-    or at the same point of a rep."""
-    cells = [(system, shape) for shape in shapes for system in systems]
-    rng.shuffle(cells)
+    """Every (system, shape) cell once: the shapes shuffled, each shape's cells adjacent (its
+    systems shuffled), so that a rep's cells of one shape run seconds apart and no system
+    always runs first or at the same point of a rep."""
+    order = list(shapes)
+    rng.shuffle(order)
+    cells = []
+    for shape in order:
+        first = list(systems)
+        rng.shuffle(first)
+        cells += [(system, shape) for system in first]
     return cells
 
 
@@ -665,6 +701,7 @@ def summarize(results: list[CellResult], shapes: Sequence[Shape]) -> list[ShapeS
                 errors=sum(r.errors for cell in cells.values() for r in cell),
                 nats_call=CallCosts.of(cells["nats"]),
                 hastream_call=CallCosts.of(cells["hastream"]),
+                paired=PairedRatios.of(cells["hastream"], cells["nats"]),
             )
         )
     return summaries
@@ -679,14 +716,18 @@ def _number(value: float, digits: int = 0) -> str:
 
 def results_table(summaries: list[ShapeSummary]) -> list[str]:
     lines = [
-        "| shape | NATS rows/s | hastream rows/s | ratio | NATS p50 ms | hastream p50 ms |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| shape | NATS rows/s | hastream rows/s | ratio | NATS p50 ms | hastream p50 ms "
+        "| paired ratio (lowest - highest) | reps hastream ahead |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
+        paired = s.paired
         lines.append(
             f"| {s.label} | {_number(s.nats_rows_per_s)} | {_number(s.hastream_rows_per_s)} "
             f"| {_number(s.ratio, 2)} | {_number(s.nats_p50_ms, 2)} "
-            f"| {_number(s.hastream_p50_ms, 2)} |"
+            f"| {_number(s.hastream_p50_ms, 2)} "
+            f"| {_number(paired.median, 2)} ({_number(paired.low, 2)} - "
+            f"{_number(paired.high, 2)}) | {paired.ahead} of {paired.reps} |"
         )
     return lines
 
@@ -754,13 +795,16 @@ def markdown(summaries: list[ShapeSummary], results: list[CellResult], meta: dic
             "",
             *results_table(summaries),
             "",
-            "Medians over the reps. ratio = hastream rows/s / NATS rows/s. p50: acknowledgement "
+            "Medians over the reps. ratio = hastream rows/s / NATS rows/s (of the medians); "
+            "paired ratio: the median of each rep's own ratio, its two cells of the shape run "
+            "back to back. p50: acknowledgement "
             "latency of the waiting shapes (the append / publish call; building the data is "
             "outside it). A row is 11 columns (a 20-character id and 10 int32, 60 bytes "
             "packed); NATS carries N rows in one message, hastream one append of N rows (a row "
             "tuple for one row, a pyarrow.Table for more), both built inside the timed loop. "
-            "Both clusters run side by side on this machine and disk; each rep runs every cell "
-            "once in a random order.",
+            "Both clusters run side by side on this machine and disk; each rep runs the shapes "
+            "in a random order, each shape's two cells back to back (which system goes first "
+            "drawn at random).",
             "",
             "CPU of each system's three server processes during its cells (median, cores):",
             "",

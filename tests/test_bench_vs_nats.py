@@ -127,3 +127,88 @@ def test_the_report_gives_each_systems_cost_per_call() -> None:
     lines = vs_nats.call_table([summary])
     assert lines[2] == "| 1 pub x 1,000 rows, wait | NATS | 1,500 | 1.40 | 260 | 1,800 |"
     assert lines[3] == "| 1 pub x 1,000 rows, wait | hastream | 1,800 | 1.60 | 260 | 1,800 |"
+
+
+def _rate_cell(system: str, rep: int, rows_per_s: float) -> Any:
+    from bench import vs_nats
+
+    return vs_nats.CellResult(
+        system=system,
+        shape="wait-1",
+        rep=rep,
+        order=0,
+        rows=int(rows_per_s),
+        messages=int(rows_per_s),
+        errors=0,
+        first_error="",
+        wall_s=1.0,
+        rows_per_s=rows_per_s,
+        p50_ms=1.0,
+        p99_ms=2.0,
+        server_cpu_s=1.0,
+        client_cpu_s=0.2,
+        mean_ms=1.1,
+    )
+
+
+def test_each_shapes_cells_run_back_to_back() -> None:
+    """A rep's cells of one shape are adjacent (seconds apart, so a rep's own ratio is not
+    the machine's drift); over many reps each system goes first, and the shapes move."""
+    if importlib.util.find_spec("nats") is None:
+        pytest.skip(f"nats-py is not installed (bench/requirements.txt): {INSTALL}")
+    import random
+
+    from bench import vs_nats
+
+    rng = random.Random(7)
+    firsts: set[str] = set()
+    leading_shapes: set[str] = set()
+    for _ in range(40):
+        cells = vs_nats.cell_order(vs_nats.SHAPES, rng)
+        assert sorted((s, shape.key) for s, shape in cells) == sorted(
+            (system, shape.key) for shape in vs_nats.SHAPES for system in vs_nats.SYSTEMS
+        )
+        for first, second in zip(cells[::2], cells[1::2], strict=True):
+            assert first[1] == second[1], cells
+            assert first[0] != second[0], cells
+            firsts.add(first[0])
+        leading_shapes.add(cells[0][1].key)
+    assert firsts == set(vs_nats.SYSTEMS)
+    assert len(leading_shapes) > 3
+
+
+def test_the_paired_ratio_is_each_reps_own() -> None:
+    """The paired ratio is the median of each rep's hastream / NATS; the ratio of the
+    medians can differ from it when the machine drifts between reps."""
+    if importlib.util.find_spec("nats") is None:
+        pytest.skip(f"nats-py is not installed (bench/requirements.txt): {INSTALL}")
+    from bench import vs_nats
+
+    shape = next(s for s in vs_nats.SHAPES if s.key == "wait-1")
+    # A slow machine in rep 0, a fast one in reps 1 and 2; hastream ahead in reps 0 and 2.
+    results = [
+        _rate_cell("nats", 0, 500.0),
+        _rate_cell("hastream", 0, 550.0),
+        _rate_cell("nats", 1, 1000.0),
+        _rate_cell("hastream", 1, 900.0),
+        _rate_cell("nats", 2, 1100.0),
+        _rate_cell("hastream", 2, 1210.0),
+    ]
+    (summary,) = vs_nats.summarize(results, [shape])
+    assert summary.ratio == pytest.approx(900.0 / 1000.0)
+    assert summary.paired.median == pytest.approx(1.1)
+    assert summary.paired.low == pytest.approx(0.9)
+    assert summary.paired.high == pytest.approx(1.1)
+    assert (summary.paired.ahead, summary.paired.reps) == (2, 3)
+    row = vs_nats.results_table([summary])[2]
+    assert row.endswith("| 1.10 (0.90 - 1.10) | 2 of 3 |"), row
+
+
+def test_a_rep_without_its_nats_cell_has_no_paired_ratio() -> None:
+    if importlib.util.find_spec("nats") is None:
+        pytest.skip(f"nats-py is not installed (bench/requirements.txt): {INSTALL}")
+    from bench import vs_nats
+
+    paired = vs_nats.PairedRatios.of([_rate_cell("hastream", 0, 900.0)], [])
+    assert paired.reps == 0
+    assert math.isnan(paired.median)
