@@ -131,3 +131,50 @@ def test_one_follower_does_not_commit_what_the_leader_has_not_synced_yet() -> No
     member = _Leader([1, 1, 1], before=1, proposed=3, durable=2, matches=[3, 0])
     replication._SyncObj._count_self_only_when_durable(member)
     assert member._SyncObj__raftCommitIndex == 2  # the leader's and one follower's copy
+
+
+class _EventLeader(_Leader):
+    """A leader whose poll just read an acknowledgement (or its own fdatasync's return):
+    `_commit_at_once` commits and applies in that event's callback, by the same rule."""
+
+    def __init__(
+        self, terms: list[int], before: int, durable: int, matches: list[int], state: int
+    ) -> None:
+        super().__init__(terms, before, before, durable, matches)
+        self._commit_before_tick = -1  # a stale tick start: the callback sets its own
+        self._SyncObj__raftState = state
+        self.applied_at: list[int] = []
+
+    def _SyncObj__getCurrentLogIndex(self) -> int:
+        return len(self._terms)
+
+    def _SyncObj__applyLogEntries(self) -> bool:
+        # What the apply sees: the commit index set, and the floor the tick's rule keeps.
+        self.applied_at.append(self._SyncObj__raftCommitIndex)
+        assert self._commit_before_tick <= self._SyncObj__raftCommitIndex
+        return False
+
+
+@given(leaders(), st.sampled_from([replication._STATE_LEADER, 0]))
+def test_a_leader_commits_in_the_event_what_a_majority_holds_durably(
+    leader: tuple[list[int], int, int, list[int]], state: int
+) -> None:
+    """A generated log, commit index, durable index and match indexes: the callback commits
+    exactly the highest index of the current term a majority holds durably (the leader up
+    to its durable index), applies once when it moved the commit, and does nothing on a
+    member that is not the leader."""
+    terms, before, durable, matches = leader
+    member = _EventLeader(terms, before, durable, matches, state)
+    replication._SyncObj._commit_at_once(member)
+    held = [
+        index
+        for index in range(before + 1, len(terms) + 1)
+        if majority_holds(index, durable, matches) and terms[index - 1] == terms[-1]
+    ]
+    expected = max(held, default=before) if state == replication._STATE_LEADER else before
+    assert member._SyncObj__raftCommitIndex == expected
+    assert member._SyncObj__leaderCommitIndex == expected
+    moved = expected != before
+    assert member.applied_at == ([expected] if moved else [])
+    assert member._SyncObj__raftLog.stored == ([expected] if moved else [])
+    assert member._commit_before_tick == (before if moved else -1)
