@@ -345,39 +345,9 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             self._SyncObj__pipeNotifier.notify()
 
     def _on_sync_returned(self, descr: int, event: int) -> None:
-        # The journal reads the eventfd when the commit asks for its durable index.
+        # The next tick's commit computation takes the fdatasync's result (the journal
+        # reads the eventfd then); only the watch ends here.
         self._unwatch_sync()
-        self._commit_at_once()
-
-    def _commit_at_once(self) -> None:
-        """A leader: commit and apply what this poll's event made durable on a majority (a
-        follower's acknowledgement, or the leader's own fdatasync returning), in the event's
-        callback. Left to the tick, the commit came after the rest of the poll's events,
-        the tick's end and the next tick's start: 0.06 ms p50 of a waited one-row
-        publish's ~1 ms (bench.experiment --trace, "leader takes the ack -> apply start").
-        The same rule as the tick's (`_count_self_only_when_durable`): a majority's
-        fdatasyncs, the leader's counted up to its `durable_index`, and an entry of the
-        current term. Anything else (a commit that still waits for the leader's own
-        fdatasync, the followers' commit notices) is the tick's, as before."""
-        if self._SyncObj__raftState != _STATE_LEADER:
-            return
-        before = int(self._SyncObj__raftCommitIndex)
-        last = int(self._SyncObj__getCurrentLogIndex())
-        if before >= last:
-            return
-        match_index = self._SyncObj__raftMatchIndex
-        reach = commit_reach(
-            self._journal.durable_index,
-            [match_index.get(node, 0) for node in self._SyncObj__otherNodes],
-        )
-        reach = min(reach, last)
-        if reach <= before or self._term_at(reach) != self.raftCurrentTerm:
-            return
-        setattr(self, "_SyncObj__raftCommitIndex", reach)  # noqa: B010 (mypy: pysyncobj's)
-        setattr(self, "_SyncObj__leaderCommitIndex", reach)  # noqa: B010
-        self._SyncObj__raftLog.setRaftCommitIndex(reach)
-        self._commit_before_tick = before
-        self._SyncObj__applyLogEntries()
 
     def _unwatch_sync(self) -> None:
         fd, self._sync_watched = self._sync_watched, None
@@ -1032,7 +1002,6 @@ def _on_message_received(self: _SyncObj, node: Any, message: Any) -> Any:
         result = _original_on_message_received(self, node, message)
         if before is not None and next_index.get(node, 0) < before:
             next_index[node] = before
-        self._commit_at_once()
         return result
     tracer = trace.current()
     entries = message.get("entries") if kind == "append_entries" and tracer.on else None
