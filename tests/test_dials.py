@@ -1,14 +1,18 @@
 """A session's channels (api_clients/dials.py) over real gRPC channels: a retired channel
 stays open for the calls on it and closes after the last, a dropped one closes at once, and
-retired channels are bounded. The channels dial a loopback port nothing listens on: no call
-here reaches a server, the channels' open or closed state is what is checked. `DialsModel`
+retired channels are bounded. Most channels dial a loopback port nothing listens on, and
+their open or closed state is what is checked; a stream's end is checked against a gRPC
+server in this process, and a hedge probe against a real node held by SIGSTOP. `DialsModel`
 runs random sequences of it all against a plain model."""
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,8 +24,8 @@ from api_clients import dials as dials_module
 from api_clients import transport
 from api_clients.connection import Session
 from api_clients.dials import Dial, Dials, SessionClosed
-from api_clients.hedge import LeaderWatch
-from deploy.local_cluster import free_ports, wait_until
+from api_clients.hedge import PROBE_TIMEOUT_S, LeaderWatch
+from deploy.local_cluster import LocalCluster, free_ports, wait_until
 from proto import hastream_pb2, hastream_pb2_grpc
 
 
@@ -291,45 +295,42 @@ def test_a_stream_that_ends_by_itself_closes_its_retired_channel(dials: Dials) -
         server.stop(None)
 
 
-def test_a_hedge_probe_keeps_its_retired_channel_open_until_it_ends() -> None:
+@pytest.mark.cluster
+def test_a_hedge_probe_keeps_its_retired_channel_open_until_it_ends(tmp_path: Path) -> None:
     """The hedge asks the other sites who leads with gRPC futures. Uncounted, a probe in
     flight on a channel retired meanwhile had the channel closed under it (CANCELLED), and
-    the watch lost that site's answer."""
-    entered, answer = threading.Event(), threading.Event()
-
-    def leader(request: hastream_pb2.GroupRequest, _: object) -> hastream_pb2.LeaderInfo:
-        entered.set()
-        answer.wait(10)
-        return hastream_pb2.LeaderInfo(raft_group=request.raft_group, leader="")
-
-    server = grpc.server(ThreadPoolExecutor(max_workers=4))
-    handler = grpc.method_handlers_generic_handler(
-        "hastream.v1.StreamTable",
-        {
-            "GetStreamingLeader": grpc.unary_unary_rpc_method_handler(
-                leader,
-                request_deserializer=hastream_pb2.GroupRequest.FromString,
-                response_serializer=hastream_pb2.LeaderInfo.SerializeToString,
-            )
-        },
-    )
-    server.add_generic_rpc_handlers((handler,))
-    asked = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
-    silent = f"127.0.0.1:{free_ports(1)[0]}"
-    session = Session([silent, asked], hedge_delay_s=None)  # the watch below is the test's
-    dials = session._dials
-    watch = LeaderWatch(session, silent, table=None, group=2, delay_s=0)
+    the watch lost that site's answer. The asked site is a real node, stopped (SIGSTOP) so
+    that the probe stays in flight until its timeout (hedge.PROBE_TIMEOUT_S)."""
+    cluster = LocalCluster(tmp_path / "cluster")
+    cluster.start()
+    session: Session | None = None
     try:
-        assert watch.check(waited_s=1.0) is None  # asks `asked` who leads
-        assert entered.wait(10), "the probe did not reach the site"
-        dial = dials.current(asked)
-        dials.retire(dial)
-        assert not is_closed(dial), "the channel closed under the probe in flight"
-        answer.set()
-        assert closes(dial)  # once the probe ended, its retired channel goes
+        cluster.leader()
+        alias = next(iter(cluster.nodes))
+        asked = cluster.nodes[alias].site
+        silent = f"127.0.0.1:{free_ports(1)[0]}"
+        session = Session([silent, asked], hedge_delay_s=None)  # the watch below is the test's
+        dials = session._dials
+        dials.current(asked).stub.GetStreamingRaftGroups(hastream_pb2.Empty(), timeout=10)
+        cluster.signal(alias, signal.SIGSTOP)
+        for _ in range(3):  # a try whose steps took near the probe's timeout says nothing
+            watch = LeaderWatch(session, silent, table=None, group=2, delay_s=0)
+            asked_at = time.monotonic()
+            assert watch.check(waited_s=1.0) is None  # asks `asked` who leads
+            dial = dials.current(asked)
+            dials.retire(dial)
+            closed = is_closed(dial)
+            in_time = time.monotonic() - asked_at < PROBE_TIMEOUT_S / 2
+            if in_time:
+                assert not closed, "the channel closed under the probe in flight"
+            assert closes(dial)  # once the probe ended (its timeout), its channel goes
+            watch.close()
+            if in_time:
+                break
+        else:
+            pytest.fail("no try retired the channel within half the probe's timeout")
     finally:
-        answer.set()
-        watch.close()
-        session.close()
-        server.stop(None)
+        cluster.signal(next(iter(cluster.nodes)), signal.SIGCONT)
+        if session is not None:
+            session.close()
+        cluster.stop()
