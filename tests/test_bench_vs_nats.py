@@ -130,25 +130,8 @@ def test_the_report_gives_each_systems_cost_per_call() -> None:
 
 
 def _rate_cell(system: str, rep: int, rows_per_s: float) -> Any:
-    from bench import vs_nats
-
-    return vs_nats.CellResult(
-        system=system,
-        shape="wait-1",
-        rep=rep,
-        order=0,
-        rows=int(rows_per_s),
-        messages=int(rows_per_s),
-        errors=0,
-        first_error="",
-        wall_s=1.0,
-        rows_per_s=rows_per_s,
-        p50_ms=1.0,
-        p99_ms=2.0,
-        server_cpu_s=1.0,
-        client_cpu_s=0.2,
-        mean_ms=1.1,
-    )
+    """A wait-1000 cell of 1,000 calls that ran at `rows_per_s`."""
+    return _cell(system, rep, calls=1000, wall_s=1000 * 1000 / rows_per_s, mean_ms=1.1)
 
 
 def test_each_shapes_cells_run_back_to_back() -> None:
@@ -184,7 +167,7 @@ def test_the_paired_ratio_is_each_reps_own() -> None:
         pytest.skip(f"nats-py is not installed (bench/requirements.txt): {INSTALL}")
     from bench import vs_nats
 
-    shape = next(s for s in vs_nats.SHAPES if s.key == "wait-1")
+    shape = next(s for s in vs_nats.SHAPES if s.key == "wait-1000")
     # A slow machine in rep 0, a fast one in reps 1 and 2; hastream ahead in reps 0 and 2.
     results = [
         _rate_cell("nats", 0, 500.0),
