@@ -63,7 +63,11 @@ PUBLISH_QUEUE_MAX: Final = 10_000
 PUBLISH_QUEUE_BYTES_MAX: Final = 512 * MIB
 # Bytes the row caches of all tables on a node hold together (cache_budget.py): past it the
 # batches cached longest ago are dropped, whatever their table (reads come from the files).
-CACHE_BYTES_MAX: Final = 256 * MIB
+# A cached batch views its Raft entry's bytes, so this also bounds how many whole entries the
+# caches keep alive: at 256 MiB the 211-column 4 x 10,000-row grid cell peaked at 478-612 MiB
+# of node RSS, at 64 MiB at 393-455 with rows/s alike (docs/benchmark.md, 38th session). A
+# tailing subscriber reads the newest batches, the last to go.
+CACHE_BYTES_MAX: Final = 64 * MIB
 # Raft entries proposed but not yet applied, per group (the proposer waits beyond it).
 PROPOSALS_IN_FLIGHT_MAX: Final = 8
 # Unsent bytes queued for one Raft peer beyond which its link is dropped (and later
