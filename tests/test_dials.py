@@ -1,8 +1,8 @@
 """A session's channels (api_clients/dials.py) over real gRPC channels: a retired channel
 stays open for the calls on it and closes after the last, a dropped one closes at once, and
 retired channels are bounded. Most channels dial a loopback port nothing listens on, and
-their open or closed state is what is checked; a stream's end is checked against a gRPC
-server in this process, and a hedge probe against a real node held by SIGSTOP. `DialsModel`
+their open or closed state is what is checked; a stream's end is checked against a real
+node, and a hedge probe against a real node held by SIGSTOP. `DialsModel`
 runs random sequences of it all against a plain model."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Final
 
 import grpc
+import pyarrow as pa
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -25,6 +26,7 @@ from api_clients import transport
 from api_clients.connection import Session
 from api_clients.dials import Dial, Dials, SessionClosed
 from api_clients.hedge import PROBE_TIMEOUT_S, LeaderWatch
+from api_clients.publisher import Publisher
 from deploy.local_cluster import LocalCluster, free_ports, wait_until
 from proto import hastream_pb2, hastream_pb2_grpc
 
@@ -249,64 +251,66 @@ TestDialsModel = DialsModel.TestCase
 TestDialsModel.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 
 
-def test_a_stream_that_ends_by_itself_closes_its_retired_channel(dials: Dials) -> None:
+ROWS: Final = 1_000  # what the real node's Read streams back before it ends
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    """A real three-node cluster whose group 2 has a leader."""
+    cluster = LocalCluster(tmp_path / "cluster")
+    cluster.start()
+    try:
+        cluster.leader()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.cluster
+def test_a_stream_that_ends_by_itself_closes_its_retired_channel(
+    dials: Dials, cluster: LocalCluster
+) -> None:
     """The end of a stream is reported on gRPC's own thread for the channel, and its
     release closes the retired channel. Closed right there, with another call still on it
     (one not counted, as the hedge's probes were not), the close waited for that very thread
     to end the other call, and every call on the channel hung (a pipelined publisher, in a
-    full test run)."""
-    done = threading.Event()
-
-    def hold(_: bytes, __: object) -> Iterator[bytes]:
-        yield b"h"
-        done.wait(10)
-
-    server = grpc.server(ThreadPoolExecutor(max_workers=4))
-    handler = grpc.method_handlers_generic_handler(
-        "test.Ends",
-        {
-            "Once": grpc.unary_stream_rpc_method_handler(lambda _, __: iter([b"x"])),
-            "Hold": grpc.unary_stream_rpc_method_handler(hold),
-        },
+    full test run). On a real node: a Read of the table's rows ends by itself, a Subscribe
+    stays open waiting for new rows."""
+    site = cluster.nodes[cluster.leader()].site
+    cluster.create_table("ends", pa.schema([("id", pa.int64())]))
+    with Session([site]) as session:
+        Publisher(session, "ends").append(pa.table({"id": list(range(ROWS))}))
+    dial, release = dials.hold(site)
+    other = dial.stub.Subscribe(
+        hastream_pb2.SubscribeRequest(table="ends", action_name="held", offset=0), timeout=10
     )
-    server.add_generic_rpc_handlers((handler,))
-    site = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
-    try:
-        dial, release = dials.hold(site)
-        other = dial.channel.unary_stream("/test.Ends/Hold")(b"", timeout=10)
-        assert next(other) == b"h"  # in flight, uncounted, until the channel closes
-        call = dial.channel.unary_stream("/test.Ends/Once")(b"", timeout=10)
-        stream = transport.Stream(call, site, 10)
-        stream.when_ended(release)
-        dials.retire(dial)
-        received: list[bytes] = []
-        reader = threading.Thread(target=received.extend, args=(stream,), daemon=True)
-        reader.start()
-        reader.join(10)
-        assert not reader.is_alive(), "the stream hung"
-        assert received == [b"x"]
-        assert closes(dial)
-        with pytest.raises(grpc.RpcError) as ended:
-            next(other)
-        assert ended.value.code() == grpc.StatusCode.CANCELLED  # by the close
-    finally:
-        done.set()
-        server.stop(None)
+    next(other)  # in flight, uncounted, until the channel closes
+    read = hastream_pb2.ReadRequest(table="ends", offset_from=0, offset_to=ROWS)
+    stream = transport.Stream(dial.stub.Read(read, timeout=10), site, 10)
+    stream.when_ended(release)
+    dials.retire(dial)
+    received: list[hastream_pb2.RowBatch] = []
+    reader = threading.Thread(target=received.extend, args=(stream,), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "the stream hung"
+    assert sum(batch.row_count for batch in received) == ROWS
+    assert closes(dial)
+    with pytest.raises(grpc.RpcError) as ended:
+        for _ in other:  # heartbeats, until the close ends the call
+            pass
+    assert ended.value.code() == grpc.StatusCode.CANCELLED  # by the close
 
 
 @pytest.mark.cluster
-def test_a_hedge_probe_keeps_its_retired_channel_open_until_it_ends(tmp_path: Path) -> None:
+def test_a_hedge_probe_keeps_its_retired_channel_open_until_it_ends(cluster: LocalCluster) -> None:
     """The hedge asks the other sites who leads with gRPC futures. Uncounted, a probe in
     flight on a channel retired meanwhile had the channel closed under it (CANCELLED), and
     the watch lost that site's answer. The asked site is a real node, stopped (SIGSTOP) so
     that the probe stays in flight until its timeout (hedge.PROBE_TIMEOUT_S)."""
-    cluster = LocalCluster(tmp_path / "cluster")
-    cluster.start()
+    alias = next(iter(cluster.nodes))
     session: Session | None = None
     try:
-        cluster.leader()
-        alias = next(iter(cluster.nodes))
         asked = cluster.nodes[alias].site
         silent = f"127.0.0.1:{free_ports(1)[0]}"
         session = Session([silent, asked], hedge_delay_s=None)  # the watch below is the test's
@@ -330,7 +334,6 @@ def test_a_hedge_probe_keeps_its_retired_channel_open_until_it_ends(tmp_path: Pa
         else:
             pytest.fail("no try retired the channel within half the probe's timeout")
     finally:
-        cluster.signal(next(iter(cluster.nodes)), signal.SIGCONT)
+        cluster.signal(alias, signal.SIGCONT)
         if session is not None:
             session.close()
-        cluster.stop()
