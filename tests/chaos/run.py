@@ -6,9 +6,10 @@
     python -m tests.chaos.run campaign --rounds 20 --nodes 3 5       # every class, both sizes
     python -m tests.chaos.run campaign --rounds 20 --class flip-data kill-leader
 
-Each run prints its report (problems, then the events with their times) and the seed that
-reproduces it; the exit code is 1 if any run found a problem. Needs root for the tmpfs data
-disks (`--no-disks` leaves the disk-full faults out).
+Each run logs its events as they happen (stderr), then prints its report (problems, then
+the events with their times) and the seed that reproduces it; the exit code is 1 if any
+run found a problem. `--verbose` adds the clients' own log lines. Needs root for the tmpfs
+data disks (`--no-disks` leaves the disk-full faults out).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    # The run's events as they happen, not only in the report at its end: a run that takes
+    # far longer than --minutes (a stuck group, a wait that does not end) shows where it is.
+    logging.getLogger("tests.chaos.scenario").setLevel(logging.INFO)
     disks = not args.no_disks
     if disks:
         refusal = faults.tmpfs_refusal(faults.scratch_dir())
