@@ -177,28 +177,47 @@ def test_nodes_hash_and_compare_by_id() -> None:
 
 
 def test_the_connection_upkeep_runs_once_per_interval_while_ready(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    upkeep: list[str] = []
-    monkeypatch.setattr(
-        pysyncobj_patches, "_original_transport_tick", lambda t: upkeep.append(t.name)
-    )
-    monkeypatch.setattr(pysyncobj_patches, "_rebind_if_closed", lambda t: None)
-    now = [100.0]
-    monkeypatch.setattr(pysyncobj_patches, "_MONOTONIC_RAW", lambda: now[0])
+    # Real transports: a member's, bound, and a second one on the member whose port another
+    # socket holds, so it stays unready. pysyncobj's upkeep is counted on its way through,
+    # and the patch's clock is held still, then moved by one interval.
+    pysyncobj_patches.install()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    conf = SyncObjConf(autoTick=False, journalFile=str(tmp_path / "journal"))
+    member = SyncObj(f"127.0.0.1:{port}", [], conf=conf)  # returns once its port is bound
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        held = TCPNode(f"127.0.0.1:{holder.getsockname()[1]}")
+        binding = pysyncobj_transport.TCPTransport(member, held, [])
+        try:
+            ready = member._SyncObj__transport
+            assert ready.ready
+            names = {id(ready): "ready", id(binding): "binding"}
+            upkeep: list[str] = []
+            real_tick = pysyncobj_patches._original_transport_tick
 
-    class Transport:
-        def __init__(self, name: str, ready: bool) -> None:
-            self.name, self._ready, self._unknownConnections = name, ready, {}
+            def counted(transport: pysyncobj_transport.TCPTransport) -> None:
+                upkeep.append(names[id(transport)])
+                real_tick(transport)
 
-    ready, binding = Transport("ready", True), Transport("binding", False)
-    for _ in range(3):
-        pysyncobj_patches._transport_tick(ready)
-        pysyncobj_patches._transport_tick(binding)  # not ready: every tick tries to bind
-    assert upkeep == ["ready", "binding", "binding", "binding"]
-    now[0] += limits.RAFT_TRANSPORT_TICK_S
-    pysyncobj_patches._transport_tick(ready)
-    assert upkeep == ["ready", "binding", "binding", "binding", "ready"]
+            monkeypatch.setattr(pysyncobj_patches, "_original_transport_tick", counted)
+            now = [time.monotonic() + 1000.0]  # past any upkeep time set before
+            monkeypatch.setattr(pysyncobj_patches, "_MONOTONIC_RAW", lambda: now[0])
+            for _ in range(3):
+                pysyncobj_patches._transport_tick(ready)
+                pysyncobj_patches._transport_tick(binding)  # not ready: every tick tries
+            assert not binding.ready
+            assert upkeep == ["ready", "binding", "binding", "binding"]
+            now[0] += limits.RAFT_TRANSPORT_TICK_S
+            pysyncobj_patches._transport_tick(ready)
+            assert upkeep == ["ready", "binding", "binding", "binding", "ready"]
+        finally:
+            binding.destroy()
+            member.destroy()
 
 
 def test_the_wake_up_pipe_is_read_once_per_event_and_never_left_readable() -> None:
