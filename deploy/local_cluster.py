@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import pyarrow as pa
 
 from api_clients.login import Login, TokenInterceptor
 from deploy.dev_tls import DevCA
+from deploy.ports import free_ports as free_ports  # re-exported for the tests and benchmarks
 from hastream.files import write_atomic
 from hastream.tls import ClientTls
 from proto import hastream_pb2 as pb
@@ -62,21 +62,6 @@ def wait_until(
                 f"timed out after {timeout_s}s: {message} (last error: {last_error})"
             )
         time.sleep(interval_s)
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports free on `host` now: bound together, then released (one at a
-    time, the kernel may hand the same free port out twice)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _nofile_prefix(limit: int) -> list[str]:

@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Final
 
 import pytest
 
@@ -9,6 +13,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hypothesis import HealthCheck, settings
+
+from deploy.ports import PORT_BAND_VARIABLE
+from tests import workers
 
 # CI runs bounded examples; `--hypothesis-profile long` searches for much longer (docs).
 settings.register_profile(
@@ -35,3 +42,43 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="seed of the chaos tests (tests/chaos); default: $CHAOS_SEED, else a new one",
     )
+
+
+# --- two workers (pytest-xdist, `-n 2`: the README's test command) --------------------
+# tests/workers.py says what must not meet and how; these hooks apply it.
+
+_ALONE: Final = pytest.StashKey[bool]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(workers.Scheduler(), "hastream-workers")
+    worker = workers.this_worker()
+    if worker is not None:
+        band = workers.port_band(*worker)
+        os.environ[PORT_BAND_VARIABLE] = f"{band.start}-{band.stop - 1}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path.relative_to(config.rootpath).as_posix()
+        item.stash[_ALONE] = workers.runs_alone(path, item.name)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    # Around setup, call and teardown: a module's cluster starts in its first test's setup.
+    workerinput = getattr(item.config, "workerinput", None)
+    if workerinput is None:
+        yield
+        return
+    # The run's base temp directory (xdist gives each worker one inside it), else a
+    # directory named after the run.
+    basetemp = item.config.option.basetemp
+    directory = (
+        Path(basetemp).parent
+        if basetemp
+        else Path(tempfile.gettempdir()) / f"hastream-xdist-{workerinput['testrunuid']}"
+    )
+    with workers.alone_lock(directory, alone=item.stash.get(_ALONE, False)):
+        yield

@@ -11,13 +11,13 @@ from __future__ import annotations
 import ipaddress
 import json
 import secrets
-import socket
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from deploy import ports
 from deploy.dev_tls import DevCA
 from deploy.docker.images import NODE_TAG_DEFAULT, REPO
 from deploy.local_security import ensure_password_file
@@ -140,27 +140,10 @@ def sites(deployment: Deployment) -> list[str]:
 def free_ports(count: int, host: str = "127.0.0.1", exclude: Iterable[int] = ()) -> list[int]:
     """`count` distinct ports in PORTS_PICKED that are free on `host` now (bound together,
     then released)."""
-    excluded = set(exclude)
-    sockets: list[socket.socket] = []
-    ports: list[int] = []
     try:
-        for _ in range(count * 16):  # bounded: a port taken or excluded is skipped
-            port = PORTS_PICKED.start + secrets.randbelow(len(PORTS_PICKED))
-            if port in excluded or port in ports:
-                continue
-            sock = socket.socket()
-            sockets.append(sock)
-            try:
-                sock.bind((host if host != "0.0.0.0" else "", port))
-            except OSError:
-                continue  # in use on the host
-            ports.append(port)
-            if len(ports) == count:
-                return ports
-    finally:
-        for sock in sockets:
-            sock.close()
-    raise DeployError(f"could not find {count} free ports on {host}")
+        return ports.free_ports(count, host, band=PORTS_PICKED, exclude=exclude)
+    except ports.PortsUnavailable as error:
+        raise DeployError(str(error)) from error
 
 
 def _host_routes() -> list[ipaddress.IPv4Network]:
