@@ -8,12 +8,12 @@ used a quarter of two cores), so two workers run it side by side. What must not 
 - the heavy, machine-filling tests (chaos, Spark, the benchmarks that sample the whole
   machine): one group, run one after another on one worker;
 - a module's tests share its module-scoped cluster: every other file is a group of its own
-  (test_docker.py's among them: one worker builds the images).
-The groups are the scheduler's (`Scheduler`, xdist's loadscope with these groups as its
-scopes; xdist's own `--dist loadgroup` cannot be used: with pytest 9 its group markers no
-longer reach the scheduler, the test ids it rewrites being computed differently now).
+  (test_docker.py's among them: one worker builds the images);
 - the tests that bound a stall on a real cluster to a second or two run with nothing beside
   them: the other worker waits (`alone_lock`).
+The groups reach xdist through `Scheduler` (its loadscope scheduler, with these groups as
+the scopes). xdist's own `--dist loadgroup` cannot carry them: under pytest 9 the test ids it
+rewrites to mark a group (`item._nodeid`) are no longer what pytest reports.
 """
 
 from __future__ import annotations
