@@ -5,7 +5,6 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Final
 
 import pytest
 
@@ -47,8 +46,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # --- two workers (pytest-xdist, `-n 2`: the README's test command) --------------------
 # tests/workers.py says what must not meet and how; these hooks apply it.
 
-_ALONE: Final = pytest.StashKey[bool]()
-
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):
@@ -57,12 +54,6 @@ def pytest_configure(config: pytest.Config) -> None:
     if worker is not None:
         band = workers.port_band(*worker)
         os.environ[PORT_BAND_VARIABLE] = f"{band.start}-{band.stop - 1}"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.path.relative_to(config.rootpath).as_posix()
-        item.stash[_ALONE] = workers.runs_alone(path, item.name)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -80,5 +71,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if basetemp
         else Path(tempfile.gettempdir()) / f"hastream-xdist-{workerinput['testrunuid']}"
     )
-    with workers.alone_lock(directory, alone=item.stash.get(_ALONE, False)):
+    path = item.path.relative_to(item.config.rootpath).as_posix()
+    with workers.alone_lock(directory, alone=workers.runs_alone(path, item.name)):
         yield
