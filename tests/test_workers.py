@@ -88,8 +88,9 @@ def test_every_file_and_test_named_for_the_workers_exists() -> None:
 
 @pytest.mark.unit
 def test_groups_and_tests_that_run_alone() -> None:
-    assert workers.group_of("tests/chaos/test_campaign.py::test_class[kill]") == "heavy"
-    assert workers.group_of("tests/spark/test_spark.py::test_write") == "heavy"
+    assert workers.group_of("tests/chaos/test_campaign.py::test_class[kill]") == "heavy-chaos"
+    assert workers.group_of("tests/test_bench_vs_nats.py::test_x") == "heavy-chaos"
+    assert workers.group_of("tests/spark/test_spark.py::test_write") == "heavy-spark"
     assert workers.group_of("tests/test_docker.py::test_up") == "tests/test_docker.py"
     assert workers.group_of("tests/test_tls.py::TestX::test_y") == "tests/test_tls.py"
     assert workers.runs_alone("tests/test_ops_cluster.py", "test_anything[param]")
@@ -98,6 +99,19 @@ def test_groups_and_tests_that_run_alone() -> None:
     assert workers.runs_alone(path, test)
     assert workers.runs_alone(path, f"{test}[3]")
     assert not workers.runs_alone(path, "test_some_other")
+
+
+@pytest.mark.unit
+def test_the_heavy_groups_are_handed_out_first_then_xdists_order() -> None:
+    queue = workers.HeavyFirst()
+    for group in ("tests/test_config.py", "heavy-spark", "tests/test_tls.py", "heavy-chaos"):
+        queue[group] = {f"{group}::test": False}
+    taken = [queue.popitem(last=False)[0] for _ in range(len(queue))]
+    assert taken == ["heavy-chaos", "heavy-spark", "tests/test_config.py", "tests/test_tls.py"]
+    assert set(workers.HEAVY_GROUPS) == {
+        workers.group_of("tests/chaos/test_campaign.py::t"),
+        workers.group_of("tests/spark/test_spark.py::t"),
+    }
 
 
 @pytest.mark.unit

@@ -5,8 +5,11 @@ used a quarter of two cores), so two workers run it side by side. What must not 
 - ports: each worker picks its clusters' ports from its own band below the kernel's
   ephemeral range (deploy/ports.py), so a port a killed node released is never handed to the
   other worker's cluster;
-- the heavy, machine-filling tests (chaos, Spark, the benchmarks that sample the whole
-  machine): one group, run one after another on one worker;
+- the heavy, machine-filling tests: two groups, each run one after another on one worker
+  and both handed out first, so that each starts at once on a worker of its own: chaos
+  (with `deploy.local`'s security and the benchmarks that sample the whole machine) and
+  Spark. They may run beside each other: the one chaos test a Spark job once pushed past
+  its deadline runs alone (ALONE_TESTS);
 - a module's tests share its module-scoped cluster: every other file is a group of its own
   (test_docker.py's among them: one worker builds the images);
 - the tests that bound a stall on a real cluster to a second or two run with nothing beside
@@ -18,6 +21,7 @@ rewrites to mark a group (`item._nodeid`) are no longer what pytest reports.
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import os
 from collections.abc import Iterator
@@ -40,7 +44,9 @@ HEAVY_FILES: Final = frozenset(
         "tests/test_bench_vs_nats.py",
     }
 )
-HEAVY_DIRECTORIES: Final = ("tests/spark/",)
+SPARK_DIRECTORY: Final = "tests/spark/"
+# The heavy groups, in the order they are handed out (before every other group).
+HEAVY_GROUPS: Final = ("heavy-chaos", "heavy-spark")
 ALONE_FILES: Final = frozenset(
     {
         "tests/test_ops_cluster.py",  # acknowledgement gaps < 1 s through transfers
@@ -78,20 +84,40 @@ def port_band(index: int, count: int) -> range:
 def group_of(nodeid: str) -> str:
     """The group of the test `nodeid` (its path relative to the repo, then `::`...)."""
     path = nodeid.partition("::")[0]
-    if path in HEAVY_FILES or path.startswith(HEAVY_DIRECTORIES):
-        return "heavy"
+    if path.startswith(SPARK_DIRECTORY):
+        return "heavy-spark"
+    if path in HEAVY_FILES:
+        return "heavy-chaos"
     return path
 
 
+class HeavyFirst(collections.OrderedDict[str, Any]):
+    """xdist's queue of groups (scope -> its tests), from which it takes the next group
+    with `popitem(last=False)`: the heavy groups come out first, the rest in xdist's own
+    order (the groups of the most tests first). The heavy groups take the longest; handed
+    out late they would run on past every other test."""
+
+    def popitem(self, last: bool = True) -> tuple[str, Any]:
+        if not last:
+            for group in HEAVY_GROUPS:
+                if group in self:
+                    return group, self.pop(group)
+        return super().popitem(last=last)
+
+
 class Scheduler:
-    """The xdist plugin that hands whole groups to the workers, the groups of the most tests
-    first (the heavy group is among the first two, so it starts at once)."""
+    """The xdist plugin that hands whole groups to the workers: the heavy groups first, one
+    to each worker, then the groups of the most tests first."""
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
         from xdist.scheduler import LoadScopeScheduling
 
         class _Groups(LoadScopeScheduling):  # type: ignore[misc]
+            def __init__(self, config: pytest.Config, log: Any) -> None:
+                super().__init__(config, log)
+                self.workqueue = HeavyFirst()
+
             def _split_scope(self, nodeid: str) -> str:
                 return group_of(nodeid)
 
