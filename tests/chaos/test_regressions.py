@@ -532,6 +532,8 @@ def test_publishers_ride_through_graceful_restarts_of_the_leader(
                 f"ready after {time.monotonic() - started:.1f} s, errors so far {len(errors)}"
             )
         _wait_for_progress(cluster, errors)
+    except AssertionError as stalled:  # a wait that timed out: which restart, and the nodes' side
+        pytest.fail(f"{stalled}\n" + "\n".join(timeline) + "\n" + _log_tails(cluster))
     finally:
         stop.set()
         for writer in writers:
@@ -539,11 +541,17 @@ def test_publishers_ride_through_graceful_restarts_of_the_leader(
         for client in clients:
             client.close()
     if errors:
-        logs = "\n".join(
-            f"--- {alias}\n{cluster.log_tail(alias, 40)}" for alias in sorted(cluster.nodes)
-        )
         timeline_text = "\n".join(timeline)
-        pytest.fail(f"{len(errors)} appends failed, e.g. {errors[:3]}\n{timeline_text}\n{logs}")
+        pytest.fail(
+            f"{len(errors)} appends failed, e.g. {errors[:3]}\n{timeline_text}\n"
+            + _log_tails(cluster)
+        )
+
+
+def _log_tails(cluster: LocalCluster) -> str:
+    return "\n".join(
+        f"--- {alias}\n{cluster.log_tail(alias, 40)}" for alias in sorted(cluster.nodes)
+    )
 
 
 # --- (i) catch-up of a table the peers dropped since their checkpoint ------------------------

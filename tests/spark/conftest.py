@@ -24,7 +24,9 @@ def sites_of(cluster: LocalCluster) -> str:
     return ",".join(f"127.0.0.1:{node.port}:{alias}" for alias, node in cluster.nodes.items())
 
 
-@pytest.fixture(scope="session")
+# Package scope: the JVM and the cluster go when the last Spark test is done, not when the
+# worker ends (under -n 2 the Spark tests run first on their worker, then other tests).
+@pytest.fixture(scope="package")
 def spark() -> Iterator[Any]:
     if shutil.which("java") is None:
         pytest.skip("java is not installed")
@@ -37,7 +39,7 @@ def spark() -> Iterator[Any]:
     session.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def spark_cluster(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """A three-node cluster (group 2), warmed up through every Spark path once."""
     cluster = LocalCluster(tmp_path_factory.mktemp("spark") / "cluster")
