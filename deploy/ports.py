@@ -15,15 +15,24 @@ same one. Two ways to pick, then:
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
 import socket
+import threading
 from collections.abc import Iterable
 from typing import Final
 
 # "low-high" (inclusive): pick local clusters' ports from this band (tests/conftest.py).
 PORT_BAND_VARIABLE: Final = "HASTREAM_PORT_BAND"
 _TRIES_PER_PORT: Final = 16
+# The ports this process handed out from a band lately. A port is picked before the process
+# it is for binds it, so a pick meanwhile (a second cluster made before the first starts, a
+# metrics port added to a written cfg) finds it free and could hand it out again; such a
+# port is skipped while the band has others (the kernel's own choice does the same).
+_RECENT_MAX: Final = 1024
+_recent: collections.deque[int] = collections.deque(maxlen=_RECENT_MAX)
+_recent_lock = threading.Lock()
 
 
 class PortsUnavailable(RuntimeError):
@@ -66,7 +75,14 @@ def free_ports(
         band = band_from_environment()
     if band is None:
         return _kernel_ports(count, host)
-    return _band_ports(count, host, band, set(exclude))
+    excluded = set(exclude)
+    with _recent_lock:
+        try:
+            ports = _band_ports(count, host, band, excluded | set(_recent))
+        except PortsUnavailable:
+            ports = _band_ports(count, host, band, excluded)  # a small band: reuse is allowed
+        _recent.extend(ports)
+    return ports
 
 
 def _kernel_ports(count: int, host: str) -> list[int]:

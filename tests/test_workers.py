@@ -68,6 +68,20 @@ def test_a_port_in_use_or_excluded_is_never_picked_and_a_full_band_is_an_error()
 
 
 @pytest.mark.unit
+def test_a_port_handed_out_lately_is_not_handed_out_again_while_the_band_has_others() -> None:
+    """Picked ports are bound seconds later: a pick meanwhile must not hand them out again
+    (a cluster's cfg and the metrics ports added to it once named one port twice)."""
+    whole = _own_band(3000)
+    band = range(whole.start + 1000, whole.stop)  # more ports than the recent ones kept
+    first = ports.free_ports(20, band=band)  # released: free on the host again
+    second = ports.free_ports(20, band=band)
+    assert not set(first) & set(second)
+    small = range(whole.start + 500, whole.start + 503)
+    assert sorted(ports.free_ports(3, band=small)) == list(small)
+    assert sorted(ports.free_ports(3, band=small)) == list(small)  # all recent: reused
+
+
+@pytest.mark.unit
 def test_worker_bands_are_disjoint_and_below_the_ephemeral_range() -> None:
     first, second = workers.port_band(0, 2), workers.port_band(1, 2)
     assert first.stop <= second.start
