@@ -29,7 +29,7 @@ _TRIES_PER_PORT: Final = 16
 # The ports this process handed out from a band lately. A port is picked before the process
 # it is for binds it, so a pick meanwhile (a second cluster made before the first starts, a
 # metrics port added to a written cfg) finds it free and could hand it out again; such a
-# port is skipped while the band has others (the kernel's own choice does the same).
+# port is skipped while the band has others (the kernel seldom repeats a port soon either).
 _RECENT_MAX: Final = 1024
 _recent: collections.deque[int] = collections.deque(maxlen=_RECENT_MAX)
 _recent_lock = threading.Lock()
