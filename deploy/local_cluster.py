@@ -130,10 +130,6 @@ class LocalCluster:
     publish_ports: bool = True
     nodes: dict[str, NodeProcess] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # enable_metrics()
-    # Every port the cfg names. Picked before any node binds them, so a later pick
-    # (enable_metrics) must skip them: a port band would hand one out again (a node then
-    # refuses the cfg: "port ... is already used by ...").
-    ports_in_config: set[int] = field(default_factory=set)
     # enable_tls(): what the harness's own channels (stub) connect with
     client_tls: ClientTls | None = None
     # enable_authentication(): the user the harness's own channels (stub) log in as
@@ -144,7 +140,6 @@ class LocalCluster:
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         ports = free_ports(self.size * (2 + len(self.groups)))
-        self.ports_in_config.update(ports)
         aliases = [f"node{number}" for number in range(1, self.size + 1)]
         lines = [
             "streamingHAMode=raft",
@@ -191,9 +186,9 @@ class LocalCluster:
     def enable_metrics(self) -> dict[str, int]:
         """Give every node a `metricsPort` (HTTP metrics and status page on 127.0.0.1);
         alias -> port. Only before the nodes first start."""
-        picked = free_ports(len(self.nodes), exclude=self.ports_in_config)
-        self.ports_in_config.update(picked)
-        ports = dict(zip(self.nodes, picked, strict=True))
+        # Picked while the cfg's ports are not bound yet: free_ports does not hand out again
+        # a port it handed out lately (deploy/ports.py), so these are not the cfg's.
+        ports = dict(zip(self.nodes, free_ports(len(self.nodes)), strict=True))
         self.add_config_lines(*(f"{alias}.metricsPort={port}" for alias, port in ports.items()))
         self.metrics_ports = ports
         return ports

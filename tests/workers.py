@@ -45,8 +45,10 @@ HEAVY_FILES: Final = frozenset(
     }
 )
 SPARK_DIRECTORY: Final = "tests/spark/"
+CHAOS_GROUP: Final = "heavy-chaos"  # HEAVY_FILES
+SPARK_GROUP: Final = "heavy-spark"  # SPARK_DIRECTORY
 # The heavy groups, in the order they are handed out (before every other group).
-HEAVY_GROUPS: Final = ("heavy-chaos", "heavy-spark")
+HEAVY_GROUPS: Final = (CHAOS_GROUP, SPARK_GROUP)
 ALONE_FILES: Final = frozenset(
     {
         "tests/test_ops_cluster.py",  # acknowledgement gaps < 1 s through transfers
@@ -85,9 +87,9 @@ def group_of(nodeid: str) -> str:
     """The group of the test `nodeid` (its path relative to the repo, then `::`...)."""
     path = nodeid.partition("::")[0]
     if path.startswith(SPARK_DIRECTORY):
-        return "heavy-spark"
+        return SPARK_GROUP
     if path in HEAVY_FILES:
-        return "heavy-chaos"
+        return CHAOS_GROUP
     return path
 
 
