@@ -223,6 +223,9 @@ LEADER_WAIT_S: Final = 1.0
 # same thread sends the heartbeats (replication.py _SyncObj__applyLogEntries).
 APPLY_SLICE_S: Final = 0.1
 APPLY_ENTRIES_MAX: Final = 4096
+# ... read from the journal this many command bytes at a time (entries older than it holds in
+# memory are read back from its file): a slice applies what it reads, not a whole backlog.
+APPLY_READ_BYTES_MAX: Final = 8 * MIB
 assert PUBLISH_QUEUE_BYTES_MAX >= 4 * PIPELINE_IN_FLIGHT_BYTES_MAX, "a few streams fit"
 
 # Peer-only RPCs carry a signature whose time must be within this of the receiver's clock;

@@ -429,7 +429,10 @@ class PysyncobjJournal:
 
 def _create_journal(journal_file: str | None) -> PysyncobjJournal:
     assert journal_file is not None, "every group has a journal directory"
-    return PysyncobjJournal(DurableJournal(Path(journal_file)))
+    # The limit is read here, not as DurableJournal's default, so a test may lower it.
+    return PysyncobjJournal(
+        DurableJournal(Path(journal_file), resident_bytes_max=limits.RAFT_LOG_RESIDENT_BYTES)
+    )
 
 
 def install() -> None:

@@ -85,7 +85,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -219,6 +219,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         # While a follower hands pysyncobj a message that must keep its log's tail
         # (_keeping_tail): the last index its __getEntries may show.
         self._log_view_end: int | None = None
+        # Committed entries read for the apply and not yet applied (_entries_to_apply).
+        self._read_ahead: list[Entry] = []
         # Held by whichever thread runs pysyncobj's code: the tick thread for a whole tick
         # but the wait in its poll, or a thread proposing on the leader (_applyCommand).
         self._tick_lock = threading.Lock()
@@ -715,8 +717,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             self._SyncObj__raftLog.setRaftCommitIndex(allowed)
 
     def _term_at(self, index: int) -> int | None:
-        entries = self._SyncObj__getEntries(index, 1)
-        return int(entries[0][2]) if entries else None
+        terms = self._journal.terms(index, 1)  # no read of an evicted command
+        return int(terms[0]) if terms else None
 
     def _SyncObj__applyLogEntries(self) -> bool:
         # pysyncobj's loop (syncobj.py __applyLogEntries), except that
@@ -736,7 +738,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             deadline = time.monotonic() + limits.APPLY_SLICE_S
             applied = 0
             urgent = False
-            for command, idx, term in self._SyncObj__getEntries(last_applied + 1, count):
+            for command, idx, term in self._entries_to_apply(last_applied + 1, count):
                 try:
                     result = self._SyncObj__doApplyCommand(command)
                 except SyncObjExceptionWrongVer as error:
@@ -771,6 +773,32 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
                 if self._next_send_at() > due:
                     self._SyncObj__newAppendEntriesTime = due
         return False
+
+    def _entries_to_apply(self, first: int, count: int) -> Iterator[Entry]:
+        """Up to `count` committed entries from Raft index `first` on, read at most
+        APPLY_READ_BYTES_MAX at a time as the apply loop asks for them. Entries older than
+        the journal holds in memory are read back from its file: read all `count` at once,
+        a tick that applied only what fit in APPLY_SLICE_S read a replay's whole backlog
+        again on every tick (a node restarted with 250 MB of log past its checkpoint applied
+        two entries a tick and was not ready a minute later). What a tick read and did not
+        apply is kept for the next (`_read_ahead`): committed entries never change, so each
+        is read once."""
+        stop = first + count
+        while first < stop:
+            held = self._read_ahead
+            if held and held[0][1] <= first <= held[-1][1]:
+                offset = first - held[0][1]  # a chunk's indexes are consecutive
+                entries = held[offset : offset + stop - first]
+            else:
+                entries = self._SyncObj__getEntries(
+                    first, stop - first, limits.APPLY_READ_BYTES_MAX
+                )
+                if not entries:
+                    self._read_ahead = []
+                    return
+                self._read_ahead = entries
+            yield from entries
+            first = entries[-1][1] + 1
 
     def _SyncObj__sendAppendEntries(self) -> None:
         # pysyncobj's (syncobj.py __sendAppendEntries), except which followers hear now:
@@ -814,9 +842,7 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         self._paced_through = current
         if current < start:
             return 0
-        if current == start:  # one entry added: the journal's last, held in memory
-            return len(self._journal[-1][0])
-        return sum(len(entry[0]) for entry in self._SyncObj__getEntries(start, current + 1 - start))
+        return self._journal.command_bytes(start, current + 1 - start)
 
     def _send_entries(self, node: Any, started: float) -> None:
         """pysyncobj's send loop for one follower: append_entries from its next index (a

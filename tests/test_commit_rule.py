@@ -36,7 +36,11 @@ def test_commit_reach_is_the_highest_index_a_majority_holds(
 @dataclass
 class _Journal:
     durable_index: int
+    log_terms: list[int]  # of the entries at Raft index 1, 2, ...
     wake_wanted: bool = False
+
+    def terms(self, index: int, count: int) -> list[int]:
+        return self.log_terms[index - 1 : index - 1 + count] if index >= 1 else []
 
     def want_wake(self) -> None:
         self.wake_wanted = True
@@ -56,21 +60,16 @@ class _Leader:
     def __init__(
         self, terms: list[int], before: int, proposed: int, durable: int, matches: list[int]
     ) -> None:
-        self._terms = terms
         self._commit_before_tick = before
         self._SyncObj__raftCommitIndex = proposed
         self._SyncObj__leaderCommitIndex = proposed
         self._SyncObj__otherNodes = [f"node{n}" for n in range(len(matches))]
         self._SyncObj__raftMatchIndex = dict(zip(self._SyncObj__otherNodes, matches, strict=True))
-        self._journal = _Journal(durable)
+        self._journal = _Journal(durable, terms)
         self._SyncObj__raftLog = _Log()
         self.raftCurrentTerm = terms[-1]
 
     _term_at = replication._SyncObj._term_at
-
-    def _SyncObj__getEntries(self, index: int, count: int) -> list[tuple[bytes, int, int]]:
-        assert count == 1
-        return [(b"", index, self._terms[index - 1])] if 1 <= index <= len(self._terms) else []
 
 
 @st.composite

@@ -933,6 +933,14 @@ class DurableJournal:
         first = index - self._indexes[0]
         return self._terms[first : first + count]
 
+    def command_bytes(self, index: int, count: int) -> int:
+        """The command bytes of up to `count` entries from Raft index `index` on (0 when the
+        log does not hold `index`), from the record positions: no command is read back."""
+        if not self._indexes or index < self._indexes[0]:
+            return 0
+        first = index - self._indexes[0]
+        return sum(self._length(i) for i in range(first, min(len(self), first + count)))
+
     def _record_end(self, i: int) -> int:
         """Where entry i's record ends in its segment."""
         following = i + 1

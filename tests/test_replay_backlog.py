@@ -1,0 +1,97 @@
+"""A member restarted with a long log past its checkpoint, most of it no longer held in
+memory, replays it reading each entry back from the journal file once.
+
+Before: every tick read all committed, unapplied entries (up to APPLY_ENTRIES_MAX) back
+from the file, then applied only what fit in APPLY_SLICE_S; a node restarted with 250 MB of
+log past its checkpoint applied two entries a tick and was not ready a minute later. A real
+Raft member in this process, with a real journal; the limits are lowered so that a few MB
+of log are mostly out of memory and a tick's slice ends after a few entries."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hastream.errors import RaftStoreError
+from raftstore import limits
+from raftstore.replica import RoleSignal
+from raftstore.replication import RaftReplica, RaftSettings
+from raftstore.storage.journal import DurableJournal
+from tests.harness import free_ports, wait_until
+from tests.raft_members import RecordingHooks
+
+ENTRIES = 400
+COMMAND_BYTES = 8 * 1024
+
+
+def _settings(directory: Path, address: str) -> RaftSettings:
+    return RaftSettings(
+        group_id=2,
+        self_address=address,
+        peer_addresses=(),  # a group of one: its own majority
+        directory=directory,
+        secret="replay-backlog-test",
+        election_timeout_s=0.5,
+        checkpoint_interval_s=3600.0,  # no checkpoint: the restart replays the whole log
+    )
+
+
+def _write_log(settings: RaftSettings) -> list[bytes]:
+    hooks = RecordingHooks()
+    replica = RaftReplica(settings, hooks, RoleSignal())
+    try:
+        wait_until(replica.is_leader_ready, timeout_s=30, message="a group of one leads")
+        commands = [i.to_bytes(4, "big") * (COMMAND_BYTES // 4) for i in range(ENTRIES)]
+        answered = threading.Semaphore(0)
+        errors: list[RaftStoreError] = []
+
+        def done(result: Any, error: RaftStoreError | None) -> None:
+            if error is not None:
+                errors.append(error)
+            answered.release()
+
+        for command in commands:
+            replica.propose(command, done)
+        for _ in commands:
+            assert answered.acquire(timeout=30), "a proposal was not answered"
+        assert not errors, errors[:3]
+        return [applied for applied in hooks.applied if applied in set(commands)]
+    finally:
+        replica.close()
+
+
+def test_a_restarted_member_reads_its_backlog_back_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = _settings(tmp_path / "member", f"127.0.0.1:{free_ports(1)[0]}")
+    written = _write_log(settings)
+    assert len(written) == ENTRIES
+
+    # On the restart: the journal keeps 64 KiB of commands in memory (the rest is read
+    # back), a tick applies for 1 ms, and reads 64 KiB at a time.
+    monkeypatch.setattr(limits, "RAFT_LOG_RESIDENT_BYTES", 64 * 1024)
+    monkeypatch.setattr(limits, "APPLY_SLICE_S", 0.001)
+    monkeypatch.setattr(limits, "APPLY_READ_BYTES_MAX", 64 * 1024)
+    read_back: list[int] = []
+    real_read_back = DurableJournal._read_back
+
+    def counted(self: DurableJournal, first: int, stop: int) -> list[bytes]:
+        commands = real_read_back(self, first, stop)
+        read_back.append(sum(len(command) for command in commands))
+        return commands
+
+    monkeypatch.setattr(DurableJournal, "_read_back", counted)
+    hooks = RecordingHooks()
+    replica = RaftReplica(settings, hooks, RoleSignal())
+    try:
+        wait_until(replica.replayed, timeout_s=60, interval_s=0.02, message="the log replayed")
+        replayed = [applied for applied in hooks.applied if len(applied) == COMMAND_BYTES]
+        assert replayed == written  # every entry, once, in order
+        log_bytes = ENTRIES * COMMAND_BYTES
+        assert sum(read_back) > log_bytes // 2, "the backlog was mostly out of memory"
+        assert sum(read_back) <= log_bytes, f"read back {sum(read_back):,} of {log_bytes:,} B"
+    finally:
+        replica.close()
