@@ -720,6 +720,14 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
         terms = self._journal.terms(index, 1)  # no read of an evicted command
         return int(terms[0]) if terms else None
 
+    def _SyncObj__getPrevLogIndexTerm(self, nextNodeIndex: int) -> tuple[int | None, int | None]:
+        # pysyncobj's (syncobj.py __getPrevLogIndexTerm) reads the whole entry for its term:
+        # for a lagging follower, a command out of memory read back from the journal file
+        # on every send to it (12.7 MB for 10,000 rows of 211 columns).
+        prev_index = nextNodeIndex - 1
+        term = self._term_at(prev_index)
+        return (None, None) if term is None else (prev_index, term)
+
     def _SyncObj__applyLogEntries(self) -> bool:
         # pysyncobj's loop (syncobj.py __applyLogEntries), except that
         # - an entry the applier answers STALLED is left unapplied: the loop stops,

@@ -63,6 +63,20 @@ def _write_log(settings: RaftSettings) -> list[bytes]:
         replica.close()
 
 
+def _count_read_back(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The command bytes of every read back from a journal file from now on."""
+    read_back: list[int] = []
+    real_read_back = DurableJournal._read_back
+
+    def counted(self: DurableJournal, first: int, stop: int) -> list[bytes]:
+        commands = real_read_back(self, first, stop)
+        read_back.append(sum(len(command) for command in commands))
+        return commands
+
+    monkeypatch.setattr(DurableJournal, "_read_back", counted)
+    return read_back
+
+
 def test_a_restarted_member_reads_its_backlog_back_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -75,23 +89,43 @@ def test_a_restarted_member_reads_its_backlog_back_once(
     monkeypatch.setattr(limits, "RAFT_LOG_RESIDENT_BYTES", 64 * 1024)
     monkeypatch.setattr(limits, "APPLY_SLICE_S", 0.001)
     monkeypatch.setattr(limits, "APPLY_READ_BYTES_MAX", 64 * 1024)
-    read_back: list[int] = []
-    real_read_back = DurableJournal._read_back
-
-    def counted(self: DurableJournal, first: int, stop: int) -> list[bytes]:
-        commands = real_read_back(self, first, stop)
-        read_back.append(sum(len(command) for command in commands))
-        return commands
-
-    monkeypatch.setattr(DurableJournal, "_read_back", counted)
+    read_back = _count_read_back(monkeypatch)
     hooks = RecordingHooks()
     replica = RaftReplica(settings, hooks, RoleSignal())
     try:
         wait_until(replica.replayed, timeout_s=60, interval_s=0.02, message="the log replayed")
         replayed = [applied for applied in hooks.applied if len(applied) == COMMAND_BYTES]
         assert replayed == written  # every entry, once, in order
-        log_bytes = ENTRIES * COMMAND_BYTES
+        journal = replica._sync_obj._journal
+        log_bytes = journal.command_bytes(journal.index_at(0), len(journal))
+        assert log_bytes >= ENTRIES * COMMAND_BYTES
         assert sum(read_back) > log_bytes // 2, "the backlog was mostly out of memory"
         assert sum(read_back) <= log_bytes, f"read back {sum(read_back):,} of {log_bytes:,} B"
+    finally:
+        replica.close()
+
+
+def test_the_term_before_a_lagging_followers_next_entry_is_read_without_its_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the leader sends a follower that lags far behind starts with the term of the
+    entry before the first it sends; pysyncobj read that whole entry for it, from the
+    journal file once out of memory, on every send."""
+    settings = _settings(tmp_path / "member", f"127.0.0.1:{free_ports(1)[0]}")
+    _write_log(settings)
+    monkeypatch.setattr(limits, "RAFT_LOG_RESIDENT_BYTES", 64 * 1024)
+    replica = RaftReplica(settings, RecordingHooks(), RoleSignal())
+    try:
+        wait_until(replica.replayed, timeout_s=60, interval_s=0.02, message="the log replayed")
+        sync_obj = replica._sync_obj
+        first = sync_obj._journal.index_at(0)
+        read_back = _count_read_back(monkeypatch)
+        with sync_obj._tick_lock:
+            found = sync_obj._SyncObj__getPrevLogIndexTerm(first + 11)
+            entries = sync_obj._SyncObj__getEntries(first + 10, 1)  # the same, read whole
+        assert found == (first + 10, entries[0][2])
+        assert len(read_back) == 1, "only the whole entry's read went to the file"
+        with sync_obj._tick_lock:
+            assert sync_obj._SyncObj__getPrevLogIndexTerm(first) == (None, None)  # before the log
     finally:
         replica.close()
