@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hastream.errors import RaftStoreError
-from raftstore import limits
+from raftstore import limits, replication
 from raftstore.replica import RoleSignal
 from raftstore.replication import RaftReplica, RaftSettings
 from raftstore.storage.journal import DurableJournal
@@ -135,3 +137,54 @@ def test_the_term_before_a_lagging_followers_next_entry_is_read_without_its_comm
             assert sync_obj._SyncObj__getPrevLogIndexTerm(first) == (None, None)  # before the log
     finally:
         replica.close()
+
+
+class _Log:
+    """The parts of a member `_entries_to_apply` uses: a log of consecutive Raft indexes,
+    read `count` at a time up to `bytes_max` (the one crossing it included, as the
+    journal), and the index of every entry it read."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.entries = [(bytes(size), index, 1) for index, size in enumerate(sizes, start=1)]
+        self.read: list[int] = []
+        self._read_ahead: list[Any] = []
+
+    def _SyncObj__getEntries(self, first: int, count: int, bytes_max: int) -> list[Any]:
+        chosen, total = [], 0
+        for entry in self.entries[first - 1 : first - 1 + count]:
+            chosen.append(entry)
+            total += len(entry[0])
+            if total >= bytes_max:
+                break
+        self.read += [entry[1] for entry in chosen]
+        return chosen
+
+    _entries_to_apply = replication._SyncObj._entries_to_apply
+
+
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=60),
+    ticks=st.lists(st.tuples(st.integers(1, 20), st.integers(0, 20)), min_size=1, max_size=40),
+    read_bytes=st.integers(1, 100),
+)
+def test_ticks_that_apply_part_of_what_they_read_get_every_entry_once_in_order(
+    sizes: list[int], ticks: list[tuple[int, int]], read_bytes: int
+) -> None:
+    """Each tick asks for up to `count` entries after the last applied and applies `budget`
+    of them (its slice ends); against a plain model: the entries come in log order, each
+    applied once, and none is read from the log twice."""
+    log = _Log(sizes)
+    applied: list[Any] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(limits, "APPLY_READ_BYTES_MAX", read_bytes)
+        for count, budget in ticks:
+            count = min(count, len(sizes) - len(applied))
+            if count == 0:
+                break
+            for entry in log._entries_to_apply(len(applied) + 1, count):
+                if budget == 0:
+                    break  # the slice is over: this entry waits for the next tick
+                applied.append(entry)
+                budget -= 1
+    assert applied == log.entries[: len(applied)]
+    assert len(set(log.read)) == len(log.read), "an entry read twice"
