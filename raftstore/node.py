@@ -274,6 +274,7 @@ class Node:
             yield_after_ack=self._yield_after_ack,
             kernel_syncs=self._tuning.kernel_syncs,
             journal_segment_bytes=self._tuning.journal_segment_bytes,
+            journal_resident_bytes=self._tuning.journal_resident_bytes,
             hold_followers_s=self._hold_followers_s(),
         )
         role = RoleSignal()

@@ -192,6 +192,7 @@ class RaftSettings:
     yield_after_ack: bool = True  # tuning.py: see _sync_and_acknowledge
     kernel_syncs: bool = True  # tuning.py: the journal's `sync_ahead`
     journal_segment_bytes: int | None = None  # tuning.py: smaller journal segments
+    journal_resident_bytes: int | None = None  # tuning.py: fewer commands held in memory
     # pacing.py: a follower a commit does not need gets entries in batches, the first
     # entry held back at most this long (0: every follower gets every entry at once).
     hold_followers_s: float = HOLD_FOLLOWERS_S
@@ -257,6 +258,8 @@ class _SyncObj(SyncObj):  # type: ignore[misc]
             self._journal.use_helper_thread()
         if replica.settings.journal_segment_bytes is not None:
             self._journal.use_segment_bytes(replica.settings.journal_segment_bytes)
+        if replica.settings.journal_resident_bytes is not None:
+            self._journal.use_resident_bytes(replica.settings.journal_resident_bytes)
 
     def _poll_until_next_send(self, timeout: float) -> None:
         """PollPoller.poll, except that the wait lets go of the tick lock (so a proposing

@@ -8,6 +8,7 @@ variable HASTREAM_TUNING before the node starts, e.g.
     HASTREAM_TUNING=kernel_syncs=off
     HASTREAM_TUNING=journal_segment_bytes=262144
     HASTREAM_TUNING=hold_followers_ms=0
+    HASTREAM_TUNING=journal_resident_bytes=1048576
 
 Operators have no reason to set it: every default is the product's choice (one, the
 follower's yield, is chosen from the machine: `yields_after_ack`). A knob may only
@@ -31,6 +32,7 @@ _SWITCH_INTERVAL_MS_RANGE: Final = (0.05, 100.0)
 _SWITCHES: Final = {"on": True, "off": False}
 _HOLD_FOLLOWERS_MS_RANGE: Final = (0.0, 50.0)
 _JOURNAL_SEGMENT_BYTES_RANGE: Final = (64 * 1024, limits.RAFT_JOURNAL_SEGMENT_BYTES)
+_JOURNAL_RESIDENT_BYTES_RANGE: Final = (64 * 1024, limits.RAFT_LOG_RESIDENT_BYTES)
 _Number = TypeVar("_Number", int, float)
 
 
@@ -60,6 +62,10 @@ class Tuning:
     # (raftstore/pacing.py), in ms; 0 sends every follower every entry at once, as
     # pysyncobj does. None keeps the product's choice.
     hold_followers_ms: float | None = None
+    # The Raft journal holds at most this many command bytes in memory instead of
+    # RAFT_LOG_RESIDENT_BYTES (never more): a test's cluster reads its older entries back
+    # from the journal files (replays, lagging followers) after a few MB, not 96 MiB.
+    journal_resident_bytes: int | None = None
 
 
 DEFAULT: Final = Tuning()
@@ -126,6 +132,7 @@ def parse(text: str, alias: str) -> Tuning:
         kernel_syncs = _switch("kernel_syncs", values["kernel_syncs"])
     segment_bytes = _ranged(values, "journal_segment_bytes", int, _JOURNAL_SEGMENT_BYTES_RANGE)
     hold_ms = _ranged(values, "hold_followers_ms", float, _HOLD_FOLLOWERS_MS_RANGE)
+    resident_bytes = _ranged(values, "journal_resident_bytes", int, _JOURNAL_RESIDENT_BYTES_RANGE)
     return Tuning(
         proposals_in_flight=in_flight,
         switch_interval_ms=switch_ms,
@@ -134,6 +141,7 @@ def parse(text: str, alias: str) -> Tuning:
         kernel_syncs=kernel_syncs,
         journal_segment_bytes=segment_bytes,
         hold_followers_ms=hold_ms,
+        journal_resident_bytes=resident_bytes,
     )
 
 
@@ -152,6 +160,10 @@ def render(tuning: Tuning) -> str:
         parts.append(f"kernel_syncs={'on' if tuning.kernel_syncs else 'off'}")
     if tuning.journal_segment_bytes is not None:
         parts.append(f"journal_segment_bytes={tuning.journal_segment_bytes}")
+    if tuning.hold_followers_ms is not None:
+        parts.append(f"hold_followers_ms={tuning.hold_followers_ms:g}")
+    if tuning.journal_resident_bytes is not None:
+        parts.append(f"journal_resident_bytes={tuning.journal_resident_bytes}")
     return ",".join(parts)
 
 

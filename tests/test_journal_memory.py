@@ -240,3 +240,23 @@ def test_memory_holds_the_newest_commands_and_the_first_two(tmp_path: Path) -> N
     assert journal._commands[1] == bytes([52]) * 30
     assert [entry[1] for entry in journal[:]] == list(range(51, 101))
     journal.close()
+
+
+def test_a_lower_resident_bound_drops_commands_at_once_and_reads_them_back(
+    tmp_path: Path,
+) -> None:
+    """`use_resident_bytes` (tuning.py's journal_resident_bytes): a journal opened with the
+    whole log in memory keeps only the newest commands from then on, and answers every
+    read as before."""
+    journal = DurableJournal(tmp_path, resident_bytes_max=10_000)
+    for idx in range(1, 101):
+        journal.append(bytes([idx]) * 30, idx, 1)
+    journal.sync()
+    everything = journal[:]
+    assert journal.resident_bytes == 2940  # all but the pinned first two
+    journal.use_resident_bytes(RESIDENT)
+    assert journal.resident_bytes <= RESIDENT + 30
+    assert journal[:] == everything  # the dropped ones read back from the file
+    journal.append(bytes([101]) * 30, 101, 1)
+    assert journal.resident_bytes <= RESIDENT + 30
+    journal.close()

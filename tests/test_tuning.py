@@ -21,12 +21,14 @@ def test_unset_is_the_products_defaults() -> None:
     assert tuning.DEFAULT.kernel_syncs is True
     assert tuning.DEFAULT.journal_segment_bytes is None
     assert tuning.DEFAULT.hold_followers_ms is None  # replication.HOLD_FOLLOWERS_S
+    assert tuning.DEFAULT.journal_resident_bytes is None  # limits.RAFT_LOG_RESIDENT_BYTES
 
 
 def test_every_knob_is_read_and_the_alias_substituted() -> None:
     text = (
         " proposals_in_flight=2, switch_interval_ms=0.5 ,trace_file=/tmp/<ALIAS>-trace.json,"
-        "yield_after_ack=off, kernel_syncs=off, journal_segment_bytes=262144, hold_followers_ms=0"
+        "yield_after_ack=off, kernel_syncs=off, journal_segment_bytes=262144, hold_followers_ms=0,"
+        "journal_resident_bytes=1048576"
     )
     assert tuning.from_environment({"HASTREAM_TUNING": text}, "node7") == tuning.Tuning(
         proposals_in_flight=2,
@@ -36,6 +38,7 @@ def test_every_knob_is_read_and_the_alias_substituted() -> None:
         kernel_syncs=False,
         journal_segment_bytes=262144,
         hold_followers_ms=0.0,
+        journal_resident_bytes=1048576,
     )
     assert tuning.parse("kernel_syncs=on", "n") == tuning.DEFAULT
     assert tuning.parse("yield_after_ack=on", "n").yield_after_ack is True
@@ -58,6 +61,8 @@ def test_every_knob_is_read_and_the_alias_substituted() -> None:
         ("hold_followers_ms=-1", "hold_followers_ms", "must be 0.0..50.0"),
         ("hold_followers_ms=51", "hold_followers_ms", "must be 0.0..50.0"),
         ("hold_followers_ms=soon", "hold_followers_ms", "not a number"),
+        ("journal_resident_bytes=1000", "journal_resident_bytes", "must be 65536..100663296"),
+        ("journal_resident_bytes=100663297", "journal_resident_bytes", "must be 65536.."),
         ("peer_auth=off", "peer_auth", "unknown knob"),
         ("proposals_in_flight", "proposals_in_flight", "expected key=value"),
         ("proposals_in_flight=1,proposals_in_flight=2", "proposals_in_flight", "given twice"),
@@ -85,6 +90,8 @@ def test_no_knob_raises_a_bound_limits_py_sized_memory_by() -> None:
     yield_after_ack=st.none() | st.booleans(),
     kernel_syncs=st.booleans(),
     segment_bytes=st.none() | st.integers(64 * 1024, limits.RAFT_JOURNAL_SEGMENT_BYTES),
+    hold_ms=st.none() | st.sampled_from([0.0, 0.5, 2.0, 50.0]),
+    resident_bytes=st.none() | st.integers(64 * 1024, limits.RAFT_LOG_RESIDENT_BYTES),
 )
 def test_render_reads_back(
     in_flight: int,
@@ -93,6 +100,8 @@ def test_render_reads_back(
     yield_after_ack: bool | None,
     kernel_syncs: bool,
     segment_bytes: int | None,
+    hold_ms: float | None,
+    resident_bytes: int | None,
 ) -> None:
     knobs = tuning.Tuning(
         proposals_in_flight=in_flight,
@@ -101,6 +110,8 @@ def test_render_reads_back(
         yield_after_ack=yield_after_ack,
         kernel_syncs=kernel_syncs,
         journal_segment_bytes=segment_bytes,
+        hold_followers_ms=hold_ms,
+        journal_resident_bytes=resident_bytes,
     )
     assert tuning.parse(tuning.render(knobs), "n") == knobs
 

@@ -1206,6 +1206,14 @@ class DurableJournal:
         room = limits.RAFT_JOURNAL_SPARES_FREE_SEGMENTS * segment_bytes_max
         self._spares_free_bytes_min = min(self._spares_free_bytes_min, room)
 
+    def use_resident_bytes(self, resident_bytes_max: int) -> None:
+        """Hold at most `resident_bytes_max` command bytes in memory from now on, never more
+        than it was opened with (a test knob: tuning.py); the older ones are dropped now and
+        read back from the segments when asked for."""
+        assert 0 < resident_bytes_max <= self._resident_bytes_max
+        self._resident_bytes_max = resident_bytes_max
+        self._evict()
+
     @property
     def sync_fd(self) -> int | None:
         """The eventfd the kernel's fdatasyncs report on (kernel_sync.py), if they run."""

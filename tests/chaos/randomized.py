@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Final
 
 from deploy.local_cluster import LocalCluster
+from raftstore import tuning
 from tests.chaos import faults, verify
 from tests.chaos.faults import MIB
 from tests.chaos.scenario import Scenario
@@ -168,14 +169,21 @@ def run_random(
     root: Path | None = None,
     disks: bool = True,
     fault_names: Collection[str] | None = None,
+    purge_interval_s: float | None = None,
+    journal_resident_bytes: int | None = None,
 ) -> RandomResult:
     """Faults (`fault_names`, default all of FAULTS) for `duration_s` under the workload,
     then the final check. `disks`: node3's data on an 8 MiB tmpfs (needs root), for the
-    disk-full fault."""
+    disk-full fault. `purge_interval_s`: the cluster's checkpoint interval (default drawn
+    from 1, 2 and 5 s); a long one (600) leaves checkpoints to the log's size, so restarts
+    replay long logs. `journal_resident_bytes`: the nodes' Raft journals hold this many
+    command bytes in memory (raftstore/tuning.py; default 96 MiB), so a small one has
+    replays and lagging followers read entries back from the journal files."""
     rng = random.Random(seed)
     root = root or Path(tempfile.mkdtemp(prefix="chaos-random-"))
     started = time.monotonic()
-    purge_interval_s = rng.choice((1.0, 2.0, 5.0))
+    drawn = rng.choice((1.0, 2.0, 5.0))  # drawn either way: a seed's later draws stay put
+    purge_interval_s = drawn if purge_interval_s is None else purge_interval_s
     cluster = LocalCluster(
         root / "cluster",
         size=3,
@@ -183,8 +191,14 @@ def run_random(
         purge_interval_s=purge_interval_s,
         extra_config=AUTO_REJOIN,
     )
+    if journal_resident_bytes is not None:
+        tuned = f"journal_resident_bytes={journal_resident_bytes}"
+        cluster.environment[tuning.ENVIRONMENT_VARIABLE] = tuned
     scenario = Scenario(cluster, rng, seed)
-    scenario.note(f"seed={seed} purge_interval_s={purge_interval_s} disks={disks} logs={root}")
+    scenario.note(
+        f"seed={seed} purge_interval_s={purge_interval_s} "
+        f"journal_resident_bytes={journal_resident_bytes} disks={disks} logs={root}"
+    )
     wanted = set(FAULTS if fault_names is None else fault_names)
     assert wanted <= set(FAULTS), f"unknown faults {wanted - set(FAULTS)}"
     available = {

@@ -45,6 +45,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=sorted(FAULTS),
         help="only these faults (default: all)",
     )
+    random_run.add_argument(
+        "--purge-interval",
+        type=float,
+        default=None,
+        help="the checkpoint interval, s (default: 1, 2 or 5, drawn from the seed); "
+        "600: checkpoints only when the Raft log reaches its size limit",
+    )
+    random_run.add_argument(
+        "--resident-bytes",
+        type=int,
+        default=None,
+        help="the nodes' Raft journals hold this many command bytes in memory (default 96 "
+        "MiB); e.g. 1048576: replays and lagging followers read entries back from the files",
+    )
     campaign = sub.add_parser("campaign", help="rounds of each fault class")
     campaign.add_argument("--rounds", type=int, default=20)
     campaign.add_argument("--nodes", type=int, nargs="+", default=[3, 5])
@@ -64,18 +78,30 @@ def _random(args: argparse.Namespace, disks: bool) -> bool:
     passed = True
     for seed in range(first, first + args.seeds):
         result = run_random(
-            seed, duration_s=args.minutes * 60, disks=disks, fault_names=args.faults
+            seed,
+            duration_s=args.minutes * 60,
+            disks=disks,
+            fault_names=args.faults,
+            purge_interval_s=args.purge_interval,
+            journal_resident_bytes=args.resident_bytes,
         )
         print(result.report, flush=True)
         print(
             f"RESULT random seed={seed} {'PASS' if result.passed else 'FAIL'} "
             f"faults={result.faults} acked_rows={result.acked_rows} "
             f"elapsed_s={result.elapsed_s:.0f}  (reproduce: python -m tests.chaos.run "
-            f"random --minutes {args.minutes:g} --seed {seed})",
+            f"random --minutes {args.minutes:g} --seed {seed}{_knob_flags(args)})",
             flush=True,
         )
         passed &= result.passed
     return passed
+
+
+def _knob_flags(args: argparse.Namespace) -> str:
+    flags = "" if args.purge_interval is None else f" --purge-interval {args.purge_interval:g}"
+    if args.resident_bytes is not None:
+        flags += f" --resident-bytes {args.resident_bytes}"
+    return flags
 
 
 def _campaign(args: argparse.Namespace, disks: bool) -> bool:
