@@ -169,9 +169,10 @@ class PublishPorts(PortPool[_Site]):
             raise
         healthy = False
         try:
-            connection.settimeout(timeout_s)
             body_parts = frames.publish_body(token, request.SerializeToString())
             try:
+                # In the try: the session's hedge may have closed the connection (`drop`).
+                connection.settimeout(timeout_s)
                 frames.send_frame(connection, frames.PUBLISH, *body_parts)
                 kind, body = _read_frame(connection, frames.FRAME_BYTES_MAX)
             except TimeoutError:
@@ -223,12 +224,16 @@ class PublishPorts(PortPool[_Site]):
 
     def drop(self, site: str) -> None:
         """Closes `site`'s connections, idle and in use (a request waiting on one fails
-        SiteUnavailable at once): the session left a silent site."""
+        SiteUnavailable at once): the session left a silent site. The ones in use leave the
+        site's books too: a request whose answer came just before is given its connection
+        back closed, and `_give_back` must not keep it as idle (the next request on it
+        failed with a bare OSError, EBADF)."""
         with self._lock:
             known = self._sites.get(site)
             connections = [] if known is None else [*known.idle, *known.busy]
             if known is not None:
                 known.idle = []
+                known.busy = set()
                 known.left += 1
         for connection in connections:
             frames.shut(connection)
@@ -370,10 +375,11 @@ class PortStream(Stream):
 
 def _closed_by_node(connection: socket.socket) -> bool:
     """Whether the node closed an idle connection (its FIN or RST has arrived): a request
-    sent on it would fail although the node is there."""
-    # Non-blocking: with a timeout set, CPython would first poll for up to that long.
-    connection.settimeout(0.0)
+    sent on it would fail although the node is there. One closed on this side (EBADF) is
+    closed too."""
     try:
+        # Non-blocking: with a timeout set, CPython would first poll for up to that long.
+        connection.settimeout(0.0)
         # The socket's own bytes, under TLS too (an SSLSocket refuses recv flags): the
         # node's FIN reads as b"", a TLS record waiting (a session ticket) as data.
         return socket.socket.recv(connection, 1, socket.MSG_PEEK) == b""

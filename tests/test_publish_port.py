@@ -283,6 +283,31 @@ def test_waited_appends_go_over_the_port_after_the_first_and_land_once_everywher
 
 
 @pytest.mark.cluster
+def test_a_connection_the_hedge_closed_while_its_answer_came_is_not_used_again(
+    cluster: LocalCluster,
+) -> None:
+    """The session's hedge leaves a site (`drop`: its connections closed, in use or not)
+    just as a request on one of them got its answer: that connection comes back healthy
+    and closed. It was kept as idle, and the next publish failed with a bare OSError
+    (EBADF) in a chaos run (seed 4302); now it is closed and the next one dials anew. The
+    interleaving is made with the pool's own steps, on a real node's port."""
+    cluster.create_table("hedged", SCHEMA)
+    with _login(cluster, "admin", ADMIN_PASSWORD) as session:
+        publisher = Publisher(session, "hedged")
+        publisher.append(rows(0, 1))  # over gRPC: the answer names the port
+        publisher.append(rows(1, 1))  # over the port: a connection to the leader, idle now
+        ports = session._ports
+        site = cluster.nodes[cluster.leader(2)].site
+        connection = ports._take(site, 5.0)  # a request's
+        ports.drop(site)  # the hedge leaves the site meanwhile
+        ports._give_back(site, connection, healthy=True)  # its answer had come
+        assert connection.fileno() == -1
+        publisher.append(rows(2, 1))  # on a new connection, not on the closed one
+        assert all(idle.fileno() != -1 for idle in ports._sites[site].idle)
+    assert_replicas_hold_exactly(cluster, "hedged", [0, 1, 2])
+
+
+@pytest.mark.cluster
 def test_a_connection_served_by_the_raft_loop_answers_in_order_and_hands_a_stream_back(
     cluster: LocalCluster,
 ) -> None:
