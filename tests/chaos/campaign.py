@@ -28,7 +28,7 @@ from deploy.local_cluster import LocalCluster, wait_until
 from raftstore.storage.journal import live_segments
 from tests.chaos import faults, verify
 from tests.chaos.faults import MIB, Flip
-from tests.chaos.scenario import Scenario
+from tests.chaos.scenario import Scenario, hold_less_log
 from tests.chaos.workload import AckedWriter, PipelinedWriter, ReadProbe, SubscriberProbe
 
 GROUPS: Final = (2, 3)
@@ -235,10 +235,13 @@ def run_campaign(
     seed: int,
     root: Path | None = None,
     disks: bool = True,
+    purge_interval_s: float = PURGE_INTERVAL_S,
+    journal_resident_bytes: int | None = None,
 ) -> CampaignResult:
     """`rounds` rounds of `fault` on a fresh `nodes`-node cluster under `root` (a new
     temporary directory by default); returns what was found. `disks`: each node's data
-    on its own tmpfs (needs root), for the disk-full rounds."""
+    on its own tmpfs (needs root), for the disk-full rounds. `purge_interval_s` and
+    `journal_resident_bytes`: as randomized.run_random's (long logs, read back)."""
     assert fault.fits(nodes), f"{fault.value} needs 5 nodes"
     assert disks or not fault.needs_disks, f"{fault.value} needs tmpfs data disks"
     root = root or Path(tempfile.mkdtemp(prefix=f"chaos-{fault.value}-"))
@@ -247,11 +250,15 @@ def run_campaign(
         root / "cluster",
         size=nodes,
         groups=GROUPS,
-        purge_interval_s=PURGE_INTERVAL_S,
+        purge_interval_s=purge_interval_s,
         extra_config=AUTO_REJOIN,
     )
+    hold_less_log(cluster, journal_resident_bytes)
     scenario = Scenario(cluster, random.Random(seed), seed)
-    scenario.note(f"seed={seed} nodes={nodes} logs={root}")
+    scenario.note(
+        f"seed={seed} nodes={nodes} purge_interval_s={purge_interval_s} "
+        f"journal_resident_bytes={journal_resident_bytes} logs={root}"
+    )
     problems: list[str] = []
     done = 0
     try:

@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Final
 
 from deploy.local_cluster import LocalCluster
-from raftstore import tuning
 from tests.chaos import faults, verify
 from tests.chaos.faults import MIB
-from tests.chaos.scenario import Scenario
+from tests.chaos.scenario import Scenario, hold_less_log
 from tests.chaos.workload import (
     AckedWriter,
     AioWriter,
@@ -191,9 +190,7 @@ def run_random(
         purge_interval_s=purge_interval_s,
         extra_config=AUTO_REJOIN,
     )
-    if journal_resident_bytes is not None:
-        tuned = f"journal_resident_bytes={journal_resident_bytes}"
-        cluster.environment[tuning.ENVIRONMENT_VARIABLE] = tuned
+    hold_less_log(cluster, journal_resident_bytes)
     scenario = Scenario(cluster, rng, seed)
     scenario.note(
         f"seed={seed} purge_interval_s={purge_interval_s} "

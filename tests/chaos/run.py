@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 
 from tests.chaos import faults
-from tests.chaos.campaign import FaultClass, run_campaign
+from tests.chaos.campaign import PURGE_INTERVAL_S, FaultClass, run_campaign
 from tests.chaos.randomized import FAULTS, run_random
 
 
@@ -45,20 +45,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=sorted(FAULTS),
         help="only these faults (default: all)",
     )
-    random_run.add_argument(
-        "--purge-interval",
-        type=float,
-        default=None,
-        help="the checkpoint interval, s (default: 1, 2 or 5, drawn from the seed); "
-        "600: checkpoints only when the Raft log reaches its size limit",
-    )
-    random_run.add_argument(
-        "--resident-bytes",
-        type=int,
-        default=None,
-        help="the nodes' Raft journals hold this many command bytes in memory (default 96 "
-        "MiB); e.g. 1048576: replays and lagging followers read entries back from the files",
-    )
+    _add_log_knobs(random_run, "1, 2 or 5, drawn from the seed")
     campaign = sub.add_parser("campaign", help="rounds of each fault class")
     campaign.add_argument("--rounds", type=int, default=20)
     campaign.add_argument("--nodes", type=int, nargs="+", default=[3, 5])
@@ -70,7 +57,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         choices=[fault.value for fault in FaultClass],
     )
+    _add_log_knobs(campaign, f"{PURGE_INTERVAL_S:g}")
     return parser.parse_args(argv)
+
+
+def _add_log_knobs(parser: argparse.ArgumentParser, default_interval: str) -> None:
+    parser.add_argument(
+        "--purge-interval",
+        type=float,
+        default=None,
+        help=f"the checkpoint interval, s (default: {default_interval}); 600: checkpoints "
+        "only when the Raft log reaches its size limit (not with the campaign's "
+        "flip-checkpoint, which waits for a checkpoint file, nor mix, which may choose it)",
+    )
+    parser.add_argument(
+        "--resident-bytes",
+        type=int,
+        default=None,
+        help="the nodes' Raft journals hold this many command bytes in memory (default 96 "
+        "MiB); e.g. 1048576: replays and lagging followers read entries back from the files",
+    )
 
 
 def _random(args: argparse.Namespace, disks: bool) -> bool:
@@ -112,13 +118,21 @@ def _campaign(args: argparse.Namespace, disks: bool) -> bool:
             if not fault.fits(nodes) or (fault.needs_disks and not disks):
                 continue
             result = run_campaign(
-                fault, nodes=nodes, rounds=args.rounds, seed=args.seed, disks=disks
+                fault,
+                nodes=nodes,
+                rounds=args.rounds,
+                seed=args.seed,
+                disks=disks,
+                purge_interval_s=PURGE_INTERVAL_S
+                if args.purge_interval is None
+                else args.purge_interval,
+                journal_resident_bytes=args.resident_bytes,
             )
             print(result.report, flush=True)
             line = (
                 f"{fault.value:20} nodes={nodes} {'PASS' if result.passed else 'FAIL'} "
                 f"rounds={result.rounds_done}/{args.rounds} acked_rows={result.acked_rows} "
-                f"elapsed_s={result.elapsed_s:.0f} seed={args.seed}"
+                f"elapsed_s={result.elapsed_s:.0f} seed={args.seed}{_knob_flags(args)}"
             )
             print(f"RESULT {line}", flush=True)
             summary.append(line)

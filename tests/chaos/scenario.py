@@ -20,6 +20,7 @@ from typing import Final
 
 from api_clients import Session
 from deploy.local_cluster import LocalCluster, wait_until
+from raftstore import tuning
 from tests.chaos import model, verify
 from tests.chaos.faults import MIB, Tmpfs
 from tests.chaos.workload import (
@@ -38,6 +39,15 @@ SUBSCRIBER_CATCH_UP_S: Final = 60.0
 NODE_READY_S: Final = 60.0
 HOLD_POLL_S: Final = 0.1
 HOLD_SLACK_S: Final = 10.0
+
+
+def hold_less_log(cluster: LocalCluster, journal_resident_bytes: int | None) -> None:
+    """Before the nodes start: their Raft journals hold `journal_resident_bytes` of
+    commands in memory (raftstore/tuning.py; None: the product's 96 MiB), so replays and
+    lagging followers read entries back from the journal files after a few MB."""
+    if journal_resident_bytes is not None:
+        tuned = f"journal_resident_bytes={journal_resident_bytes}"
+        cluster.environment[tuning.ENVIRONMENT_VARIABLE] = tuned
 
 
 @dataclass
