@@ -9,12 +9,13 @@ of log are mostly out of memory and a tick's slice ends after a few entries."""
 
 from __future__ import annotations
 
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hastream.errors import RaftStoreError
@@ -139,31 +140,35 @@ def test_the_term_before_a_lagging_followers_next_entry_is_read_without_its_comm
         replica.close()
 
 
-class _Log:
-    """The parts of a member `_entries_to_apply` uses: a log of consecutive Raft indexes,
-    read `count` at a time up to `bytes_max` (the one crossing it included, as the
-    journal), and the index of every entry it read."""
+class _Member:
+    """The parts of a Raft member `_entries_to_apply` uses, around a real journal on real
+    files that holds 64 bytes of commands in memory (so most are read back): its real
+    `_SyncObj__getEntries`, wrapped to note the index of every entry it returns."""
 
-    def __init__(self, sizes: list[int]) -> None:
-        self.entries = [(bytes(size), index, 1) for index, size in enumerate(sizes, start=1)]
-        self.read: list[int] = []
+    def __init__(self, directory: Path, commands: list[bytes]) -> None:
+        self._journal = DurableJournal(
+            directory, resident_bytes_max=64, segment_bytes_max=4096, kernel_syncs=False
+        )
+        for index, command in enumerate(commands, start=1):
+            self._journal.append(command, index, 1)
+        self._log_view_end: int | None = None
         self._read_ahead: list[Any] = []
+        self.read: list[int] = []
 
     def _SyncObj__getEntries(self, first: int, count: int, bytes_max: int) -> list[Any]:
-        chosen, total = [], 0
-        for entry in self.entries[first - 1 : first - 1 + count]:
-            chosen.append(entry)
-            total += len(entry[0])
-            if total >= bytes_max:
-                break
-        self.read += [entry[1] for entry in chosen]
-        return chosen
+        entries = replication._SyncObj._SyncObj__getEntries(self, first, count, bytes_max)
+        self.read += [entry[1] for entry in entries]
+        return entries
 
     _entries_to_apply = replication._SyncObj._entries_to_apply
 
+    def close(self) -> None:
+        self._journal.close()
 
+
+@settings(max_examples=50, deadline=None)
 @given(
-    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=60),
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=60),
     ticks=st.lists(st.tuples(st.integers(1, 20), st.integers(0, 20)), min_size=1, max_size=40),
     read_bytes=st.integers(1, 100),
 )
@@ -171,20 +176,25 @@ def test_ticks_that_apply_part_of_what_they_read_get_every_entry_once_in_order(
     sizes: list[int], ticks: list[tuple[int, int]], read_bytes: int
 ) -> None:
     """Each tick asks for up to `count` entries after the last applied and applies `budget`
-    of them (its slice ends); against a plain model: the entries come in log order, each
-    applied once, and none is read from the log twice."""
-    log = _Log(sizes)
+    of them (its slice ends); against the commands written: the entries come in log order,
+    each applied once, and none is read from the journal twice."""
+    commands = [bytes([index % 256]) * size for index, size in enumerate(sizes, start=1)]
     applied: list[Any] = []
-    with pytest.MonkeyPatch.context() as patch:
+    with tempfile.TemporaryDirectory() as directory, pytest.MonkeyPatch.context() as patch:
         patch.setattr(limits, "APPLY_READ_BYTES_MAX", read_bytes)
-        for count, budget in ticks:
-            count = min(count, len(sizes) - len(applied))
-            if count == 0:
-                break
-            for entry in log._entries_to_apply(len(applied) + 1, count):
-                if budget == 0:
-                    break  # the slice is over: this entry waits for the next tick
-                applied.append(entry)
-                budget -= 1
-    assert applied == log.entries[: len(applied)]
-    assert len(set(log.read)) == len(log.read), "an entry read twice"
+        member = _Member(Path(directory), commands)
+        try:
+            for count, budget in ticks:
+                count = min(count, len(sizes) - len(applied))
+                if count == 0:
+                    break
+                for entry in member._entries_to_apply(len(applied) + 1, count):
+                    if budget == 0:
+                        break  # the slice is over: this entry waits for the next tick
+                    applied.append(entry)
+                    budget -= 1
+        finally:
+            member.close()
+    written = [(command, index, 1) for index, command in enumerate(commands, start=1)]
+    assert applied == written[: len(applied)]
+    assert len(set(member.read)) == len(member.read), "an entry read twice"

@@ -235,13 +235,16 @@ def run_campaign(
     seed: int,
     root: Path | None = None,
     disks: bool = True,
-    purge_interval_s: float = PURGE_INTERVAL_S,
+    purge_interval_s: float | None = None,
     journal_resident_bytes: int | None = None,
 ) -> CampaignResult:
     """`rounds` rounds of `fault` on a fresh `nodes`-node cluster under `root` (a new
     temporary directory by default); returns what was found. `disks`: each node's data
-    on its own tmpfs (needs root), for the disk-full rounds. `purge_interval_s` and
-    `journal_resident_bytes`: as randomized.run_random's (long logs, read back)."""
+    on its own tmpfs (needs root), for the disk-full rounds. `purge_interval_s` (default
+    PURGE_INTERVAL_S) and `journal_resident_bytes`: as randomized.run_random's (long logs,
+    read back)."""
+    if purge_interval_s is None:
+        purge_interval_s = PURGE_INTERVAL_S
     assert fault.fits(nodes), f"{fault.value} needs 5 nodes"
     assert disks or not fault.needs_disks, f"{fault.value} needs tmpfs data disks"
     root = root or Path(tempfile.mkdtemp(prefix=f"chaos-{fault.value}-"))

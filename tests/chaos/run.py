@@ -123,9 +123,7 @@ def _campaign(args: argparse.Namespace, disks: bool) -> bool:
                 rounds=args.rounds,
                 seed=args.seed,
                 disks=disks,
-                purge_interval_s=PURGE_INTERVAL_S
-                if args.purge_interval is None
-                else args.purge_interval,
+                purge_interval_s=args.purge_interval,
                 journal_resident_bytes=args.resident_bytes,
             )
             print(result.report, flush=True)
