@@ -32,11 +32,18 @@ def group_of(
     dropped, not released yet); elsewhere the client is sent on (NotLeader with the leader,
     or a retryable NodeUnavailable) instead of a wrong TableNotFound. Without the catalog, a
     node that leads (and has applied) every group it is in knows their tables for sure;
-    one that does not sends the client on for requests only a leader serves.
+    one that does not sends the client on, reads included (NotLeader with the leader of a
+    one-group node, else a retryable NodeUnavailable): leading one group says nothing of
+    a table another group holds.
 
     A lagging replica may hold one name in two groups for a moment (dropped in one, not yet
     applied here, and created again in the other): the catalog's owner is served, and while
-    the catalog cannot answer, neither (NodeUnavailable, retryable)."""
+    the catalog cannot answer, neither (NodeUnavailable, retryable).
+
+    "Not found" is said only after a second look, taken once the leader was seen ready:
+    the first may predate the apply of the creation that readiness waited for. (A seeded
+    chaos run with long logs saw pipelines fail "table not found" as a restarted leader
+    became ready; the client believed it, every other site pointing at that leader.)"""
     holding = [group for group in groups if group.has_table(table)]
     if len(holding) == 1:
         return holding[0]
@@ -52,12 +59,22 @@ def group_of(
     if owner is not None:
         return _not_here_yet(groups, table, owner, leader_only=leader_only)
     raft_groups = [group for group in groups if group.group_id != LOCAL_GROUP]
-    if leader_only and raft_groups and not any(group.leads_and_ready() for group in raft_groups):
-        if len(raft_groups) == 1:
+    if raft_groups and not all(group.leads_and_ready() for group in raft_groups):
+        # A group this node does not lead (or has not caught up in) may hold the table
+        # already: leading another group proves nothing about it.
+        if leader_only and len(raft_groups) == 1:
             hint = raft_groups[0].not_leader()
             if hint.leader is not None:
                 raise hint
-        raise NodeUnavailable(f"table {table!r} unknown here and this node leads no group")
+        raise NodeUnavailable(
+            f"table {table!r} unknown here, the catalog cannot be asked now and this node "
+            "does not lead every group it is in"
+        )
+    holding = [group for group in groups if group.has_table(table)]
+    if len(holding) == 1:
+        return holding[0]  # applied since the first look, before every group was ready
+    if holding:
+        raise NodeUnavailable(f"table {table!r} is in two groups here while a replica lags")
     raise TableNotFound(table)
 
 
@@ -69,6 +86,8 @@ def _not_here_yet(groups: Sequence[Group], table: str, owner: int, *, leader_onl
     if group is None:
         raise NodeUnavailable(f"table {table!r} is in group {owner}, which this node is not in")
     if group.leads_and_ready():
+        if group.has_table(table):
+            return group  # applied since the first look, before the leader was ready
         raise TableNotFound(table)
     if leader_only:
         hint = group.not_leader()

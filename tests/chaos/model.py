@@ -28,6 +28,8 @@ from typing import Final
 
 WRITER_SPAN: Final = 1_000_000_000
 EXAMPLES_MAX: Final = 5  # keys quoted per problem
+# What TableNotFound says (hastream/errors.py), also inside a PublishAborted it caused.
+NOT_FOUND_TEXT: Final = "table not found: "
 
 
 class Outcome(enum.Enum):
@@ -168,7 +170,25 @@ def check_rows(
         )
     problems += _check_writer_order(table, rows)
     problems += _check_acked_present(table, present, appends, drops)
+    problems += _check_never_said_missing(table, appends, drops)
     return problems
+
+
+def _check_never_said_missing(
+    table: str, appends: Sequence[Append], drops: Sequence[Drop]
+) -> list[str]:
+    """A table created before its writers started and never dropped exists throughout: no
+    node may answer one of its appends "table not found" (a lagging replica or a leader
+    still replaying sends the client on instead)."""
+    if drops:
+        return []
+    said = [append for append in appends if NOT_FOUND_TEXT in append.error]
+    if not said:
+        return []
+    return [
+        f"{table}: {len(said)} appends were told the table does not exist, e.g. "
+        f"{said[0].error!r} at {said[0].ended_s:.1f}s"
+    ]
 
 
 def _check_writer_order(table: str, rows: Sequence[int]) -> list[str]:

@@ -64,6 +64,17 @@ def test_a_drop_excuses_only_rows_acknowledged_before_it_could_take_effect() -> 
     assert check_rows("t", [], [before, after], [unknown]) == []
 
 
+def test_a_table_never_dropped_must_never_be_said_missing() -> None:
+    said = "PublishAborted: aborted: request 1 of this pipeline failed first: table not found: 't'"
+    missing = Append("t", W1 + 2, 2, 1.0, 1.1, Outcome.UNKNOWN, said)
+    appends = [_append(W1, 2), missing]
+    assert "told the table does not exist" in check_rows("t", [W1, W1 + 1], appends)[0]
+    drop = Drop("t", 2.0, 3.0, Outcome.ACKED)
+    assert check_rows("t", [], appends, [drop]) == []  # a churned table may be missing
+    other = Append("t", W1 + 2, 2, 1.0, 1.1, Outcome.UNKNOWN, "SiteUnavailable: refused")
+    assert check_rows("t", [W1, W1 + 1], [_append(W1, 2), other]) == []
+
+
 def test_replicas_must_match_row_for_row() -> None:
     assert check_replicas_identical("t", {"a": [1, 2], "b": [1, 2]}) == []
     (problem,) = check_replicas_identical("t", {"a": [1, 2, 3], "b": [1, 3, 2]})
