@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hastream.errors import NodeUnavailable, NotLeader, TableNotFound
 from raftstore import routing
@@ -119,3 +121,47 @@ def test_a_table_applied_as_its_leader_becomes_ready_is_served_not_said_missing(
     assert _group_of([group, _Group(3)], "t", 2, leader_only=True) is group
     alone = _BecomingReady(2)
     assert _group_of([alone], "t", None, leader_only=True) is alone
+
+
+_ROLES = ("follower", "leader starting", "leader ready")
+
+
+@given(
+    exists_in=st.sampled_from((None, 2, 3)),
+    roles=st.tuples(st.sampled_from(_ROLES), st.sampled_from(_ROLES)),
+    lagging_holds=st.tuples(st.booleans(), st.booleans()),
+    catalog_answers=st.booleans(),
+    leader_only=st.booleans(),
+)
+def test_a_table_that_exists_is_never_said_missing_and_a_served_group_holds_it(
+    exists_in: int | None,
+    roles: tuple[str, str],
+    lagging_holds: tuple[bool, bool],
+    catalog_answers: bool,
+    leader_only: bool,
+) -> None:
+    """A node in groups 2 and 3; the table exists in `exists_in` (or nowhere). A ready
+    leader's replica holds exactly what exists; any other replica may lag either way (not
+    applied the creation yet, or not the drop: then only the catalog, when it answers,
+    knows). Whatever the mix, "not found" is never said of a table that exists, and a group
+    returned holds the table."""
+    groups = []
+    for group_id, role, held in zip((2, 3), roles, lagging_holds, strict=True):
+        holds = exists_in == group_id if role == "leader ready" else held
+        groups.append(
+            _Group(
+                group_id,
+                tables=("t",) if holds else (),
+                leads=role == "leader ready",
+                leader=None if role == "leader starting" else "127.0.0.1:9:node9",
+            )
+        )
+    owner = (routing.NO_OWNER if exists_in is None else exists_in) if catalog_answers else None
+    try:
+        served = _group_of(groups, "t", owner, leader_only=leader_only)
+    except TableNotFound:
+        assert exists_in is None
+    except (NotLeader, NodeUnavailable):
+        pass  # sent on: always allowed
+    else:
+        assert served.has_table("t")
