@@ -47,6 +47,7 @@ from hastream.errors import (
     CorruptionError,
     IncarnationDropped,
     InvalidArgument,
+    NodeUnavailable,
     RaftStoreError,
     TableNotFound,
 )
@@ -871,8 +872,19 @@ class Applier:
             return self._machine.table(table)
 
     def store(self, table: str) -> TableStore:
+        """The table's open files. Raises TableNotFound when the state does not hold the
+        table (or holds it only until a drop peers already applied), NodeUnavailable
+        (retryable) while it does and its files are being reopened (a restored checkpoint,
+        a repair swapping fetched rows in): the table exists."""
         with self._lock:
             store = self._stores.get(table)
+            reopening = (
+                store is None
+                and table not in self._dropped_ahead
+                and self._machine.has_table(table)
+            )
+        if reopening:
+            raise NodeUnavailable(f"table {table!r}: its files are being reopened here")
         if store is None:
             raise TableNotFound(table)
         return store

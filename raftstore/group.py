@@ -382,7 +382,8 @@ class Group:
         return self.applier.table_view(table)
 
     def store(self, table: str) -> TableStore:
-        """The table's files, for reading. Raises TableNotFound, ReplicaInDoubt."""
+        """The table's files, for reading. Raises TableNotFound, ReplicaInDoubt,
+        NodeUnavailable (its files are being reopened)."""
         self.require_serving()
         return self.applier.store(table)
 

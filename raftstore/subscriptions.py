@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Final
 
-from hastream.errors import OffsetOutOfRange, TableNotFound
+from hastream.errors import NodeUnavailable, OffsetOutOfRange, RaftStoreError, TableNotFound
 from hastream.model import OFFSET_EARLIEST, OFFSET_LATEST, OFFSET_PERSISTED, topic_name
 from raftstore import limits
 from raftstore.group import Group
@@ -48,7 +48,8 @@ def follow(
     """Yield lists of row slices from `position` on, waiting for new rows, until the client
     goes away; an empty list after SUBSCRIBE_HEARTBEAT_S without rows (a heartbeat). Raises
     NotLeader when leadership is lost, ReplicaInDoubt when this replica stops being
-    trusted (it never sends a row from a replica in doubt), TableNotFound when dropped."""
+    trusted (it never sends a row from a replica in doubt), TableNotFound when dropped,
+    NodeUnavailable when its files were reopened under it."""
     rows_max = min(rows_max or limits.SUBSCRIBE_BATCH_ROWS_MAX, limits.SUBSCRIBE_BATCH_ROWS_MAX)
     role = group.role
     epoch = role.epoch
@@ -58,7 +59,7 @@ def follow(
             raise group.not_leader()
         group.require_serving()
         if store.closed:
-            raise TableNotFound(store.meta.table)
+            raise _closed_error(group, store)
         slices = store.read(position, store.row_count, rows_max)
         if slices:
             last = slices[-1]
@@ -73,3 +74,17 @@ def follow(
         with store.changed:
             if store.row_count <= position and not store.closed and role.epoch == epoch:
                 store.changed.wait(_WAIT_S)
+
+
+def _closed_error(group: Group, store: TableStore) -> RaftStoreError:
+    """Why the files a subscription follows were closed: the table was dropped
+    (TableNotFound), or this incarnation's files were reopened under it (a repair swapping
+    fetched rows in): NodeUnavailable, so the subscriber comes back and resumes."""
+    table = store.meta.table
+    try:
+        held = group.table_view(table).meta.created_lsn == store.meta.created_lsn
+    except TableNotFound:
+        held = False
+    if held:
+        return NodeUnavailable(f"table {table!r}: its files were reopened here; subscribe again")
+    return TableNotFound(table)

@@ -8,16 +8,19 @@ import errno
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
 
-from hastream.errors import OffsetOutOfRange, TableNotFound
+from hastream.errors import NodeUnavailable, OffsetOutOfRange, RaftStoreError, TableNotFound
 from hastream.model import NodeAddress
+from raftstore.apply import Applier
 from raftstore.catch_up import Repairer, TableGap
 from raftstore.health import ReplicaState
 from raftstore.storage.files import Fault, SimFiles
 from raftstore.storage.segments import DataRecord, TableLog
+from raftstore.subscriptions import follow
 from raftstore.threads import Threads
 from tests.harness import wait_until
 from tests.shell import Shell, fetch_from, raises
@@ -380,3 +383,34 @@ def test_a_record_past_the_gap_is_a_protocol_error(tmp_path: Path) -> None:
     assert repairer.progress().rows_fetched == 0
     repairer.close()
     healthy.stop()
+
+
+def test_a_table_whose_files_are_reopened_is_not_said_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A restored checkpoint closes every table's files and reopens them one by one; a read
+    # or a subscription that came in between was told "table not found" for a table the
+    # state held all along (a replica read in a long-log chaos run was).
+    shell = Shell(tmp_path / "node").start()
+    shell.create("t", SCHEMA)
+    shell.publish("t", rows(0, 10))
+    applier = shell.g.applier
+    snapshot = applier.checkpoint()
+    followed = follow(shell.g, shell.g.store("t"), 0, 100, lambda: True)
+    assert sum(rows.row_count for rows in next(followed)) == 10
+    seen: list[RaftStoreError | None] = []
+    reopen = Applier._open
+
+    def reopening(self: Applier, *args: Any) -> Any:
+        seen.append(raises(applier.store, "t"))  # between the close and the reopen
+        return reopen(self, *args)
+
+    monkeypatch.setattr(Applier, "_open", reopening)
+    applier.restore(snapshot)
+    assert len(seen) == 1, seen
+    assert isinstance(seen[0], NodeUnavailable), seen
+    assert isinstance(raises(next, followed), NodeUnavailable)  # subscribe again, not "gone"
+    assert keys(shell, "t") == list(range(10))
+    shell.g.drop_table("t", force=True)
+    assert isinstance(raises(applier.store, "t"), TableNotFound)  # dropped: gone
+    shell.stop()
