@@ -269,7 +269,8 @@ def check_committed_offset(
 
 # Errors a replica may answer a read with: it is down or starting, or says "not here, not
 # now" (retryable: NodeUnavailable, or ReplicaInDoubt while an environment error stalls it or
-# a repair runs), or does not know the table yet (a follower that has not applied it).
+# a repair runs). Never TableNotFound: the tables read exist throughout, and a replica that
+# has not applied one (or is reopening its files) sends the reader on instead.
 READ_ERRORS_ALLOWED: Final = frozenset(
     {
         "StatusCode.UNAVAILABLE",
@@ -280,7 +281,6 @@ READ_ERRORS_ALLOWED: Final = frozenset(
         "NodeUnavailable",
         "ReplicaInDoubt",
         "NotLeader",
-        "TableNotFound",
     }
 )
 
