@@ -390,14 +390,15 @@ def test_a_table_whose_files_are_reopened_is_not_said_missing(
 ) -> None:
     # A restored checkpoint closes every table's files and reopens them one by one; a read
     # or a subscription that came in between was told "table not found" for a table the
-    # state held all along (a replica read in a long-log chaos run was).
+    # state held all along (a long-log chaos run saw a replica read answer that; this
+    # window is one way to get it).
     shell = Shell(tmp_path / "node").start()
     shell.create("t", SCHEMA)
     shell.publish("t", rows(0, 10))
     applier = shell.g.applier
     snapshot = applier.checkpoint()
     followed = follow(shell.g, shell.g.store("t"), 0, 100, lambda: True)
-    assert sum(rows.row_count for rows in next(followed)) == 10
+    assert sum(piece.row_count for piece in next(followed)) == 10
     seen: list[RaftStoreError | None] = []
     reopen = Applier._open
 
