@@ -44,15 +44,9 @@ def group_of(
     the first may predate the apply of the creation that readiness waited for. (A seeded
     chaos run with long logs saw pipelines fail "table not found" as a restarted leader
     became ready; the client believed it, every other site pointing at that leader.)"""
-    holding = [group for group in groups if group.has_table(table)]
-    if len(holding) == 1:
-        return holding[0]
-    if holding:
-        owner = owner_of(table) if owner_of is not None else None
-        for group in holding:
-            if group.group_id == owner:
-                return group
-        raise NodeUnavailable(f"table {table!r} is in two groups here while a replica lags")
+    held = _held_here(groups, table, owner_of)
+    if held is not None:
+        return held
     owner = owner_of(table) if owner_of is not None else None
     if owner == NO_OWNER:
         raise TableNotFound(table)
@@ -70,12 +64,26 @@ def group_of(
             f"table {table!r} unknown here, the catalog cannot be asked now and this node "
             "does not lead every group it is in"
         )
+    held = _held_here(groups, table, None)  # applied since the first look, maybe
+    if held is not None:
+        return held
+    raise TableNotFound(table)
+
+
+def _held_here(groups: Sequence[Group], table: str, owner_of: NameOwner | None) -> Group | None:
+    """The group on this node holding `table` (None: none does). Two hold it while a
+    replica lags: the catalog's owner (asked only then), NodeUnavailable when it cannot
+    say."""
     holding = [group for group in groups if group.has_table(table)]
     if len(holding) == 1:
-        return holding[0]  # applied since the first look, before every group was ready
+        return holding[0]
     if holding:
+        owner = owner_of(table) if owner_of is not None else None
+        for group in holding:
+            if group.group_id == owner:
+                return group
         raise NodeUnavailable(f"table {table!r} is in two groups here while a replica lags")
-    raise TableNotFound(table)
+    return None
 
 
 def _not_here_yet(groups: Sequence[Group], table: str, owner: int, *, leader_only: bool) -> Group:

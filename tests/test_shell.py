@@ -403,6 +403,7 @@ def test_a_table_whose_files_are_reopened_is_not_said_missing(
     reopen = Applier._open
 
     def reopening(self: Applier, *args: Any) -> Any:
+        # A wrap, not a stand-in: it reads in the window, then the real files are opened.
         seen.append(raises(applier.store, "t"))  # between the close and the reopen
         return reopen(self, *args)
 

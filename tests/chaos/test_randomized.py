@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.randomized import run_random
+from tests.chaos.randomized import RandomResult, run_random
 
 pytestmark = pytest.mark.cluster
 
@@ -32,10 +32,7 @@ def test_random_faults_under_random_load_keep_every_acknowledged_row(
     result = run_random(
         chaos_seed, duration_s=CI_DURATION_S, root=tmp_path, disks=tmpfs_refusal is None
     )
-    print(result.report)
-    assert result.passed, (
-        f"{result.report}\n\nreproduce: python -m pytest {__file__} --chaos-seed {chaos_seed}"
-    )
+    _assert_passed(result, chaos_seed, "under_random_load")
 
 
 def test_random_faults_over_long_logs_read_back_keep_every_acknowledged_row(
@@ -49,8 +46,12 @@ def test_random_faults_over_long_logs_read_back_keep_every_acknowledged_row(
         purge_interval_s=LONG_LOG_PURGE_INTERVAL_S,
         journal_resident_bytes=LONG_LOG_RESIDENT_BYTES,
     )
+    _assert_passed(result, chaos_seed, "long_logs")
+
+
+def _assert_passed(result: RandomResult, chaos_seed: int, selector: str) -> None:
     print(result.report)
     assert result.passed, (
         f"{result.report}\n\nreproduce: python -m pytest {__file__} --chaos-seed {chaos_seed}"
-        f" -k long_logs"
+        f" -k {selector}"
     )
